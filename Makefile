@@ -1,0 +1,29 @@
+# Two commands: `make demo` (the main job on its embedded default) and `make test`.
+# Both create or refresh the local virtualenv .venv first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+# torch first (the pinned CPU wheel), then DeepSpeed built against it without build isolation.
+$(STAMP): requirements-dev.txt setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $$(grep -E '^torch==' requirements-dev.txt)
+	$(PY) -m pip install -q --no-build-isolation -r requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/digits/train.py
+
+# pytest exits 5 when it collects no test: that is a failure, never a silent success.
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV)

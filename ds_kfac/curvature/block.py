@@ -1,0 +1,53 @@
+"""A curvature block: the Kronecker-factored curvature of one layer.
+
+The block owns the layer's two factors and its current decomposition. It
+knows nothing about hooks, ranks or optimizers: the preconditioner feeds it
+rows, the communication layer moves its tensors, and it turns a gradient
+matrix into a preconditioned one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layers.base import LayerAdapter
+from .decomposition import Decomposition, State
+from .factors import KroneckerFactor
+
+
+class KFACBlock:
+    """Factors ``A`` (``a_dim``) and ``G`` (``g_dim``) of one layer and their decomposition."""
+
+    def __init__(
+        self,
+        name: str,
+        adapter: LayerAdapter,
+        method: Decomposition,
+        factor_dtype: torch.dtype = torch.float32,
+        inv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.name = name
+        self.adapter = adapter
+        self.method = method
+        self.inv_dtype = inv_dtype
+        self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
+        self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
+        self.state: Optional[State] = None
+
+    @property
+    def has_factors(self) -> bool:
+        return self.a.value is not None and self.g.value is not None
+
+    def decompose(self, damping: float) -> Optional[State]:
+        """A candidate decomposition of the current factors (not yet adopted)."""
+        if not self.has_factors:
+            return None
+        return self.method.compute(self.a.value, self.g.value, damping, self.inv_dtype)
+
+    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """``P(grad)`` in the decomposition's dtype; the gradient itself before the first decomposition."""
+        if self.state is None:
+            return grad.to(self.inv_dtype)
+        return self.method.precondition(self.state, grad, damping)

@@ -1,0 +1,107 @@
+"""Factor decompositions and the preconditioning they define.
+
+``eigen``::
+
+    P(g) = Q_G [ (Q_G^T g Q_A) / (v_G v_A^T + damping) ] Q_A^T
+
+``inverse`` (factored Tikhonov damping with ``pi = sqrt((tr A / dim A) / (tr G / dim G))``)::
+
+    P(g) = (G + sqrt(damping)/pi I)^-1  g  (A + pi sqrt(damping) I)^-1
+
+Decompositions run in ``inv_dtype`` (float32 at least) and are retried in
+float64 when LAPACK fails; eigenvalues are clamped at 0. Whether a result is
+finite is returned as a device tensor, so a caller can check many layers with
+one host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Callable, Optional
+
+import torch
+
+State = tuple[torch.Tensor, ...]
+
+
+def _with_fallback(fn: Callable[[torch.Tensor], State], matrix: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
+    """``fn(matrix)`` in ``dtype``, retried in float64 (results cast back) if LAPACK fails; ``None`` if both fail."""
+    for attempt in (dtype, torch.float64):
+        try:
+            return tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
+        except torch.linalg.LinAlgError:
+            continue
+    return None
+
+
+def _both(first: Optional[State], second: Optional[State]) -> Optional[State]:
+    return None if first is None or second is None else first + second
+
+
+def _eigh(matrix: torch.Tensor) -> State:
+    values, vectors = torch.linalg.eigh(matrix)
+    return vectors, values.clamp_(min=0.0)
+
+
+def _inv(matrix: torch.Tensor) -> State:
+    return (torch.linalg.inv(matrix),)
+
+
+def all_finite(state: Optional[State]) -> torch.Tensor:
+    """Whether a decomposition exists and is finite, as a device tensor (no host sync)."""
+    if state is None:
+        return torch.tensor(False)
+    return torch.stack([torch.isfinite(t).all() for t in state]).all()
+
+
+class Decomposition(ABC):
+    """A compute method: what is stored per layer and how it preconditions."""
+
+    name: str
+
+    @abstractmethod
+    def compute(self, a: torch.Tensor, g: torch.Tensor, damping: float, dtype: torch.dtype) -> Optional[State]:
+        """The per-layer state from factors ``A`` and ``G`` (``None`` if LAPACK failed)."""
+
+    @abstractmethod
+    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        """``P(grad)`` for a ``d_G x d_A`` gradient matrix, in the state's dtype."""
+
+
+class EigenDecomposition(Decomposition):
+    """State ``(Q_A, v_A, Q_G, v_G)``; damping is applied when preconditioning."""
+
+    name = "eigen"
+
+    def compute(self, a: torch.Tensor, g: torch.Tensor, damping: float, dtype: torch.dtype) -> Optional[State]:
+        return _both(_with_fallback(_eigh, a, dtype), _with_fallback(_eigh, g, dtype))
+
+    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        qa, va, qg, vg = state
+        rotated = qg.t() @ grad.to(qa.dtype) @ qa
+        rotated /= torch.outer(vg, va).add_(damping)
+        return qg @ rotated @ qa.t()
+
+
+class InverseDecomposition(Decomposition):
+    """State ``(A_damped^-1, G_damped^-1)``; damping is folded in at decomposition time."""
+
+    name = "inverse"
+
+    def compute(self, a: torch.Tensor, g: torch.Tensor, damping: float, dtype: torch.dtype) -> Optional[State]:
+        a, g = a.to(dtype), g.to(dtype)
+        ta, tg = torch.trace(a) / a.shape[0], torch.trace(g) / g.shape[0]
+        # pi balances the damping between the factors; 1 when a trace is not positive.
+        pi = torch.where((ta > 0) & (tg > 0), torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta))
+        root = math.sqrt(damping)
+        eye_a = torch.eye(a.shape[0], dtype=dtype, device=a.device)
+        eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
+        return _both(_with_fallback(_inv, a + pi * root * eye_a, dtype), _with_fallback(_inv, g + (root / pi) * eye_g, dtype))
+
+    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        a_inv, g_inv = state
+        return g_inv @ grad.to(a_inv.dtype) @ a_inv
+
+
+METHODS: dict[str, type[Decomposition]] = {"eigen": EigenDecomposition, "inverse": InverseDecomposition}

@@ -1,0 +1,17 @@
+"""Layers: K-FAC's view of each supported module type, and which modules to register."""
+
+from .base import LayerAdapter, UnsupportedLayerError
+from .conv2d import Conv2dAdapter
+from .linear import LinearAdapter
+from .registry import SkippedLayer, adapter_for, find_layers, register_adapter
+
+__all__ = [
+    "Conv2dAdapter",
+    "LayerAdapter",
+    "LinearAdapter",
+    "SkippedLayer",
+    "UnsupportedLayerError",
+    "adapter_for",
+    "find_layers",
+    "register_adapter",
+]

@@ -1,0 +1,342 @@
+"""The K-FAC preconditioner: hooks collect, ranks average, blocks decompose and precondition.
+
+One optimizer step flows one way:
+
+1. **collect** (module hooks, during forward/backward of every micro-batch of
+   a factor-update step): each registered layer adds its micro-batch factors
+   ``A`` and ``G`` to its accumulators;
+2. **reduce** (``step()``, factor-update steps): the step's factors are
+   averaged over data-parallel ranks in bucketed collectives and folded into
+   the running averages;
+3. **decompose** (decomposition steps): eigendecompositions or damped inverses
+   of the factors;
+4. **precondition**: each gradient matrix ``g`` becomes ``P(g)``, scaled by the
+   KL-clip factor ``nu``, and is written back for the base optimizer.
+
+The conventions (factor scaling, averaging, step counting) are the public
+contract documented in ``docs/conventions.md`` and pinned by ``tests/``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import DEFAULT_BUCKET_BYTES, all_reduce_mean_, data_parallel_world
+from .config import KFACConfig, KFACConfigError, resolve
+from .curvature import METHODS, KFACBlock, all_finite
+from .layers import SkippedLayer, find_layers
+
+LossScale = Callable[[], Union[float, torch.Tensor]]
+STATE_VERSION = 1
+
+
+class KFACPreconditioner:
+    """K-FAC gradient preconditioning for a model's ``nn.Linear`` and ``nn.Conv2d`` layers.
+
+    Standalone use (plain PyTorch or DistributedDataParallel)::
+
+        kfac = KFACPreconditioner(model, optimizer=optimizer, damping=0.003)
+        loss.backward()
+        kfac.step()        # preconditions p.grad in place
+        optimizer.step()
+
+    Args:
+        model: the module whose layers are preconditioned (the unwrapped model
+            or a DDP wrapper; hooks go on the inner modules).
+        config: a :class:`KFACConfig`, or a dict with the keys of the JSON ``"kfac"`` section.
+        optimizer: the base optimizer; its ``param_groups[0]["lr"]`` is the
+            learning rate of the KL clip unless ``lr`` is given.
+        lr: learning rate for the KL clip, a constant or a callable of the step.
+        accumulation_steps: micro-batches per optimizer step; the loss of each
+            is assumed divided by it (as DeepSpeed does), which the ``G`` scaling undoes.
+        loss_scale: callable returning the loss scale current for the micro-batch
+            being back-propagated (mixed precision); 1 when ``None``.
+        process_group: data-parallel group over which factors are averaged
+            (the default group when distributed is initialized).
+        **keys: the ``"kfac"`` keys, as an alternative to ``config``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Union[KFACConfig, dict[str, Any], None] = None,
+        *,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        lr: Union[float, Callable[[int], float], None] = None,
+        accumulation_steps: int = 1,
+        loss_scale: Optional[LossScale] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **keys: Any,
+    ) -> None:
+        if isinstance(config, KFACConfig):
+            if keys:
+                raise KFACConfigError("pass either a KFACConfig or keyword keys, not both")
+            self.config = config
+        else:
+            self.config = KFACConfig.parse({**(config or {}), **keys}, where="KFACPreconditioner")
+        if self.config.kl_clip is not None and optimizer is None and lr is None:
+            raise KFACConfigError("kl_clip needs the learning rate: pass optimizer= or lr= (or set kl_clip=None)")
+        if accumulation_steps < 1:
+            raise KFACConfigError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        self.optimizer = optimizer
+        self.lr = lr
+        self.accumulation_steps = accumulation_steps
+        self.loss_scale = loss_scale
+        self.process_group = process_group
+        self.bucket_bytes = bucket_bytes
+
+        layers, self.skipped_layers = find_layers(model, self.config.skip_layers, self.config.max_factor_dim)
+        method = METHODS[self.config.compute_method]()
+        self.blocks = [
+            KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
+            for name, adapter in layers
+        ]
+        self.steps = 0
+        self.last_nu: Optional[torch.Tensor] = None
+        self.counters: dict[str, int] = defaultdict(int)
+        self.timings: dict[str, float] = defaultdict(float)
+        self._nonfinite_factors: Optional[torch.Tensor] = None
+        self._reported_missing: set[str] = set()
+        self._collecting = True
+        self._handles = [
+            block.adapter.module.register_forward_hook(partial(self._forward_hook, block)) for block in self.blocks
+        ]
+
+    # ------------------------------------------------------------------ hooks
+    def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
+        if not (self._collecting and module.training and torch.is_grad_enabled()):
+            return
+        x = inputs[0]
+        block.a.accumulate(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x)))
+
+    def _output_grad_hook(self, block: KFACBlock, batch_size: int, grad: torch.Tensor) -> None:
+        # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
+        scale = self.loss_scale() if self.loss_scale is not None else 1.0
+        block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
+
+    @property
+    def collecting(self) -> bool:
+        """Whether the hooks gather factors for the step in progress (``steps % factor_update_steps == 0``)."""
+        return self._collecting
+
+    def discard_step_statistics(self) -> None:
+        """Forget the factors gathered for the step in progress (e.g. it overflowed and is skipped)."""
+        for block in self.blocks:
+            block.a.discard_step()
+            block.g.discard_step()
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update curvature as scheduled and precondition every registered layer's ``.grad`` in place."""
+        blocks = [b for b in self.blocks if all(p.grad is not None for p in b.adapter.params())]
+        grads = [b.adapter.grad_to_matrix([p.grad for p in b.adapter.params()]) for b in blocks]
+        self.update_curvature()
+        for block, new in zip(blocks, self.precondition(blocks, grads)):
+            for p, g in zip(block.adapter.params(), block.adapter.matrix_to_grads(new)):
+                p.grad.copy_(g)
+        self.finish_step()
+
+    @torch.no_grad()
+    def update_curvature(self) -> None:
+        """Steps 2 and 3 of the flow: fold in this step's factors, decompose when scheduled."""
+        s = self.steps
+        if self._collecting:
+            with self._timed("factors"):
+                self._update_factors(resolve(self.config.factor_decay, s))
+        if s % resolve(self.config.inv_update_steps, s) == 0:
+            with self._timed("decompose"):
+                self._update_decompositions(resolve(self.config.damping, s))
+
+    @torch.no_grad()
+    def precondition(self, blocks: Sequence[KFACBlock], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``nu * P(g)`` for each block's gradient matrix, cast back to the gradient's dtype."""
+        s = self.steps
+        with self._timed("precondition"):
+            damping = resolve(self.config.damping, s)
+            out = [b.precondition(g, damping) for b, g in zip(blocks, grads)]
+            kl_clip = self.config.kl_clip
+            if kl_clip is not None and out:
+                kl = resolve(kl_clip, s)
+                lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
+                vg = torch.stack([(p * g.to(p.dtype)).sum() for p, g in zip(out, grads)]).sum().abs()
+                nu = torch.sqrt(kl / (lr**2 * vg)).clamp(max=1.0)
+                self.last_nu = nu
+                out = [p.mul_(nu) for p in out]
+            return [p.to(g.dtype) for p, g in zip(out, grads)]
+
+    def finish_step(self) -> None:
+        """Advance the step counter and arm the hooks for the next step."""
+        self.steps += 1
+        self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
+
+    def _update_factors(self, decay: float) -> None:
+        factors = [f for b in self._blocks_with_statistics() for f in (b.a, b.g)]
+        values = [f.take_step() for f in factors]
+        all_reduce_mean_(values, self.process_group, self.bucket_bytes)
+        flags = [f.update(v, decay) for f, v in zip(factors, values)]
+        if flags:
+            bad = (~torch.stack(flags)).sum()
+            self._nonfinite_factors = bad if self._nonfinite_factors is None else self._nonfinite_factors + bad
+
+    def _blocks_with_statistics(self) -> list[KFACBlock]:
+        """Blocks whose hooks fired this step; report (once) and reset those whose did not."""
+        present = [b.a.pending > 0 and b.g.pending > 0 for b in self.blocks]
+        if data_parallel_world(self.process_group) > 1:
+            counts = torch.tensor(present, dtype=torch.int32, device=self._device)
+            dist.all_reduce(counts, group=self.process_group)
+            world = data_parallel_world(self.process_group)
+            partial_names = [b.name for b, c in zip(self.blocks, counts.tolist()) if 0 < c < world]
+            if partial_names:
+                raise RuntimeError(f"K-FAC hooks fired on some data-parallel ranks but not others for {partial_names}")
+            present = [c == world for c in counts.tolist()]
+        missing = [b.name for b, ok in zip(self.blocks, present) if not ok]
+        for b, ok in zip(self.blocks, present):
+            if not ok:
+                b.a.discard_step()
+                b.g.discard_step()
+        if missing:
+            self.counters["missing_layer_updates"] += len(missing)
+            new = set(missing) - self._reported_missing
+            if new:
+                self._reported_missing |= new
+                warnings.warn(
+                    f"K-FAC layers whose hooks did not fire this step (called through a functional path, "
+                    f"unused, or without grad?): {sorted(new)}; their gradients pass through unpreconditioned "
+                    f"until they have factors",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return [b for b, ok in zip(self.blocks, present) if ok]
+
+    def _update_decompositions(self, damping: float) -> None:
+        candidates = [(b, b.decompose(damping)) for b in self.blocks if b.has_factors]
+        if not candidates:
+            return
+        flags = [all_finite(state).to(self._device) for _, state in candidates]
+        if self._nonfinite_factors is not None:
+            flags.append(self._nonfinite_factors == 0)
+        ok = torch.stack(flags).tolist()  # the one host sync of a decomposition step
+        if self._nonfinite_factors is not None:
+            bad_factors = int(self._nonfinite_factors) if not ok.pop() else 0
+            self._nonfinite_factors = None
+            if bad_factors:
+                self.counters["nonfinite_factor_updates"] += bad_factors
+                warnings.warn(f"K-FAC skipped {bad_factors} non-finite factor update(s)", RuntimeWarning, stacklevel=3)
+        failed = []
+        for (block, state), good in zip(candidates, ok):
+            if good:
+                block.state = state
+            else:
+                failed.append(block.name)
+        if failed:
+            self.counters["failed_decompositions"] += len(failed)
+            warnings.warn(
+                f"K-FAC decomposition not finite for {failed}; keeping the previous one "
+                f"(or passing the gradient through)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.timings[phase] += time.perf_counter() - start
+
+    # ------------------------------------------------------------ inspection
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held on this rank, by category."""
+        usage = {"factors": 0, "decompositions": 0}
+        for b in self.blocks:
+            usage["factors"] += sum(f.value.numel() * f.value.element_size() for f in (b.a, b.g) if f.value is not None)
+            usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
+        return usage
+
+    @property
+    def _device(self) -> torch.device:
+        return self.blocks[0].adapter.module.weight.device if self.blocks else torch.device("cpu")
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [b.name for b in self.blocks]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """All K-FAC state, world-size independent: full factors and decompositions per layer."""
+        if self._nonfinite_factors is not None:
+            self.counters["nonfinite_factor_updates"] += int(self._nonfinite_factors)
+            self._nonfinite_factors = None
+        return {
+            "version": STATE_VERSION,
+            "steps": self.steps,
+            "compute_method": self.config.compute_method,
+            "counters": dict(self.counters),
+            "layers": {
+                b.name: {
+                    "shape": (b.adapter.a_dim, b.adapter.g_dim),
+                    "A": b.a.value,
+                    "G": b.g.value,
+                    "state": None if b.state is None else list(b.state),
+                }
+                for b in self.blocks
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a mismatch (other model, layers, method) raises naming what differs."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"K-FAC state has version {state.get('version')!r}, expected {STATE_VERSION}")
+        if state["compute_method"] != self.config.compute_method:
+            raise ValueError(
+                f"K-FAC state was saved with compute_method={state['compute_method']!r}, "
+                f"this run uses {self.config.compute_method!r}"
+            )
+        saved, here = set(state["layers"]), set(self.layer_names)
+        if saved != here:
+            raise ValueError(
+                f"K-FAC state does not match this model's layers: missing from the checkpoint {sorted(here - saved)}, "
+                f"not in this model {sorted(saved - here)}"
+            )
+        for b in self.blocks:
+            entry = state["layers"][b.name]
+            if tuple(entry["shape"]) != (b.adapter.a_dim, b.adapter.g_dim):
+                raise ValueError(
+                    f"K-FAC layer {b.name!r}: checkpoint factors are (A, G) = {tuple(entry['shape'])}, "
+                    f"this model has {(b.adapter.a_dim, b.adapter.g_dim)}"
+                )
+        for b in self.blocks:
+            entry = state["layers"][b.name]
+            device = b.adapter.module.weight.device
+            b.a.value, b.g.value = (None if t is None else t.to(device) for t in (entry["A"], entry["G"]))
+            b.state = None if entry["state"] is None else tuple(t.to(device) for t in entry["state"])
+            b.a.discard_step()
+            b.g.discard_step()
+        self.steps = state["steps"]
+        self.counters = defaultdict(int, state["counters"])
+        self._nonfinite_factors = None
+        self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
+
+    def __repr__(self) -> str:
+        skipped = ", ".join(s.name for s in self.skipped_layers) or "none"
+        return f"KFACPreconditioner({len(self.blocks)} layers, skipped: {skipped}, {self.config})"
+
+
+__all__ = ["KFACPreconditioner", "SkippedLayer"]

@@ -1,0 +1,202 @@
+"""Layer registration rules, numerical fallbacks and preconditioner state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import reference as ref
+from ds_kfac import KFACConfigError, KFACPreconditioner, UnsupportedLayerError
+from ds_kfac.curvature import EigenDecomposition
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _backward(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+
+
+def test_skip_by_name_and_by_factor_size() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 100))
+    kfac = KFACPreconditioner(model, lr=0.1, skip_layers=[r"^2$"], max_factor_dim=64)
+    assert kfac.layer_names == ["0"]
+    reasons = {s.name: s.reason for s in kfac.skipped_layers}
+    assert "skip_layers" in reasons["2"] and "max_factor_dim=64" in reasons["3"]
+
+
+def test_frozen_layers_are_skipped() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    assert KFACPreconditioner(model, lr=0.1).layer_names == ["1"]
+
+
+def test_grouped_conv_refused_with_layer_name() -> None:
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
+    with pytest.raises(UnsupportedLayerError, match=r"layer '0'.*groups=2.*skip_layers"):
+        KFACPreconditioner(model, lr=0.1)
+    assert KFACPreconditioner(model, lr=0.1, skip_layers=["0"]).layer_names == []
+
+
+def test_reflect_padding_refused() -> None:
+    with pytest.raises(UnsupportedLayerError, match="padding_mode='reflect'"):
+        KFACPreconditioner(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), lr=0.1)
+
+
+def test_same_padding_matches_explicit_padding() -> None:
+    """padding='same' (asymmetric for even kernels) gives the factors of the explicitly padded input."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, (2, 3), padding="same").double()
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    kfac = KFACPreconditioner(conv, kl_clip=None, factor_dtype="float64")
+    _backward(conv, x)
+    kfac.update_curvature()
+    # kernel (2, 3) with 'same': rows pad (0 top, 1 bottom), cols pad (1, 1), as PyTorch's own conv does.
+    padded = nn.functional.pad(x, (1, 1, 0, 1))
+    torch.testing.assert_close(conv(x), nn.functional.conv2d(padded, conv.weight, conv.bias))
+    plain = nn.Conv2d(2, 3, (2, 3)).double()
+    rows = ref.conv_rows(plain, padded)
+    torch.testing.assert_close(kfac.blocks[0].a.value, ref.second_moment(rows), rtol=1e-12, atol=1e-14)
+
+
+def test_functional_path_reported_by_name() -> None:
+    """nn.MultiheadAttention calls out_proj through F.linear: its hooks never fire."""
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    kfac = KFACPreconditioner(model, lr=0.1)
+    x = torch.randn(2, 3, 8)
+    model(x, x, x)[0].square().mean().backward()
+    with pytest.warns(RuntimeWarning, match=r"did not fire.*'out_proj'"):
+        kfac.step()
+    assert kfac.counters["missing_layer_updates"] == 1
+    assert kfac.blocks[0].state is None  # passed through, not crashed
+
+
+def test_nonfinite_factor_update_is_skipped() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2)).double()
+    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1, factor_dtype="float64")
+    _backward(model, torch.randn(4, 3, dtype=torch.float64))
+    kfac.step()
+    good_a = kfac.blocks[0].a.value.clone()
+    model.zero_grad()
+    bad = torch.randn(4, 3, dtype=torch.float64)
+    bad[0, 0] = float("inf")
+    _backward(model, bad)
+    with pytest.warns(RuntimeWarning, match="non-finite factor"):
+        kfac.step()
+    assert kfac.counters["nonfinite_factor_updates"] >= 1
+    torch.testing.assert_close(kfac.blocks[0].a.value, good_a, rtol=0, atol=0)
+
+
+def test_failed_decomposition_keeps_previous(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1)
+    _backward(model, torch.randn(4, 3))
+    kfac.step()
+    previous = kfac.blocks[0].state
+
+    def failing_eigh(matrix: torch.Tensor) -> None:
+        raise torch.linalg.LinAlgError("injected")
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing_eigh)
+    model.zero_grad()
+    _backward(model, torch.randn(4, 3))
+    with pytest.warns(RuntimeWarning, match=r"decomposition not finite for \['0'\]"):
+        kfac.step()
+    assert kfac.blocks[0].state is previous
+    assert kfac.counters["failed_decompositions"] == 1
+
+
+def test_float64_retry_when_float32_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.linalg.eigh
+    calls = []
+
+    def eigh_failing_in_float32(matrix: torch.Tensor):
+        calls.append(matrix.dtype)
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("injected")
+        return real(matrix)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh_failing_in_float32)
+    a = torch.tensor([[2.0, 1.0], [1.0, 2.0]])
+    state = EigenDecomposition().compute(a, a, 0.1, torch.float32)
+    assert calls == [torch.float32, torch.float64] * 2
+    assert all(t.dtype == torch.float32 for t in state)
+    torch.testing.assert_close(state[1], torch.tensor([1.0, 3.0]))
+
+
+def test_eigenvalues_clamped_at_zero() -> None:
+    a = torch.tensor([[1.0, 0.0], [0.0, -1e-3]])  # slightly indefinite, as rounding can make a factor
+    _, values, _, _ = EigenDecomposition().compute(a, a, 0.1, torch.float32)
+    assert values.min().item() == 0.0
+
+
+def test_bf16_model_keeps_fp32_factors() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).to(torch.bfloat16)
+    kfac = KFACPreconditioner(model, lr=0.1)
+    _backward(model, torch.randn(5, 4, dtype=torch.bfloat16))
+    kfac.step()
+    assert kfac.blocks[0].a.value.dtype == torch.float32
+    assert model[0].weight.grad.dtype == torch.bfloat16
+    assert torch.isfinite(model[0].weight.grad.float()).all()
+
+
+def test_state_dict_round_trip_is_bitwise() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    data = [torch.randn(6, 4) for _ in range(6)]
+
+    def run(kfac: KFACPreconditioner, m: nn.Module, opt: torch.optim.Optimizer, batches) -> None:
+        for x in batches:
+            opt.zero_grad()
+            _backward(m, x)
+            kfac.step()
+            opt.step()
+
+    m1 = copy.deepcopy(model)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    k1 = KFACPreconditioner(m1, optimizer=o1, inv_update_steps=2, factor_update_steps=1)
+    run(k1, m1, o1, data)
+
+    m2 = copy.deepcopy(model)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    k2 = KFACPreconditioner(m2, optimizer=o2, inv_update_steps=2, factor_update_steps=1)
+    run(k2, m2, o2, data[:3])
+    saved = copy.deepcopy((k2.state_dict(), m2.state_dict()))
+    m3 = copy.deepcopy(model)
+    o3 = torch.optim.SGD(m3.parameters(), lr=0.1)
+    k3 = KFACPreconditioner(m3, optimizer=o3, inv_update_steps=2, factor_update_steps=1)
+    k3.load_state_dict(saved[0])
+    m3.load_state_dict(saved[1])
+    run(k3, m3, o3, data[3:])
+    for p1, p3 in zip(m1.parameters(), m3.parameters()):
+        assert torch.equal(p1, p3)
+
+
+def test_state_dict_mismatch_names_the_difference() -> None:
+    state = KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), lr=0.1).state_dict()
+    with pytest.raises(ValueError, match=r"missing from the checkpoint \['1'\].*not in this model \['0'\]"):
+        KFACPreconditioner(nn.Sequential(nn.ReLU(), nn.Linear(4, 3)), lr=0.1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"layer '0'.*\(5, 3\).*\(6, 3\)"):
+        KFACPreconditioner(nn.Sequential(nn.Linear(5, 3)), lr=0.1).load_state_dict(state)
+    with pytest.raises(ValueError, match="compute_method='eigen'"):
+        KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), lr=0.1, compute_method="inverse").load_state_dict(state)
+
+
+def test_kl_clip_needs_a_learning_rate() -> None:
+    with pytest.raises(KFACConfigError, match="kl_clip needs the learning rate"):
+        KFACPreconditioner(nn.Linear(2, 2))
+
+
+def test_memory_usage_counts_factor_and_decomposition_bytes() -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    kfac = KFACPreconditioner(model, lr=0.1)
+    _backward(model, torch.randn(2, 4))
+    kfac.step()
+    # A is 5x5, G 3x3 in float32; eigen keeps Q and v of each.
+    assert kfac.memory_usage() == {"factors": (25 + 9) * 4, "decompositions": (25 + 5 + 9 + 3) * 4}
