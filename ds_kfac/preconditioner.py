@@ -23,19 +23,34 @@ import time
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import DEFAULT_BUCKET_BYTES, all_reduce_mean_, data_parallel_world
+from .comm import DEFAULT_BUCKET_BYTES, all_reduce_mean_, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import METHODS, KFACBlock, all_finite
 from .layers import SkippedLayer, find_layers
+from .placement import GradientLayout
 
 LossScale = Callable[[], Union[float, torch.Tensor]]
+
+
+@dataclass
+class Snapshot:
+    """What :meth:`KFACPreconditioner.restore` needs to undo a step (references, not copies)."""
+
+    steps: int
+    blocks: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[tuple]]]
+    counters: dict[str, int]
+    nonfinite_factors: Optional[torch.Tensor]
+    last_nu: Optional[torch.Tensor]
+
+
 STATE_VERSION = 1
 
 
@@ -139,15 +154,32 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self) -> None:
-        """Update curvature as scheduled and precondition every registered layer's ``.grad`` in place."""
-        blocks = [b for b in self.blocks if all(p.grad is not None for p in b.adapter.params())]
-        grads = [b.adapter.grad_to_matrix([p.grad for p in b.adapter.params()]) for b in blocks]
-        self.update_curvature()
-        for block, new in zip(blocks, self.precondition(blocks, grads)):
-            for p, g in zip(block.adapter.params(), block.adapter.matrix_to_grads(new)):
-                p.grad.copy_(g)
+    def step(self, layout: Optional[GradientLayout] = None) -> None:
+        """Update curvature as scheduled and precondition every registered layer's gradient in place.
+
+        ``layout`` says where the reduced gradients lie; the default is each
+        parameter's whole ``.grad`` (plain PyTorch, DDP, ZeRO stage 0).
+        """
+        self.precondition_gradients(layout or GradientLayout())
         self.finish_step()
+
+    @torch.no_grad()
+    def precondition_gradients(self, layout: GradientLayout) -> None:
+        """Steps 2-4 of the flow for the step in progress, without advancing the step counter."""
+        self.update_curvature()
+        s = self.steps
+        blocks, grads, fragments = layout.gather(self.blocks)
+        with self._timed("precondition"):
+            damping = resolve(self.config.damping, s)
+            out = [b.precondition(g, damping) for b, g in zip(blocks, grads)]
+            kl_clip = self.config.kl_clip
+            if kl_clip is not None:
+                lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
+                vg = layout.dot(blocks, fragments, out, grads).abs()
+                nu = torch.sqrt(resolve(kl_clip, s) / (lr**2 * vg)).clamp(max=1.0)
+                self.last_nu = nu
+                out = [p.mul_(nu.to(p.dtype)) for p in out]
+            layout.write(blocks, fragments, out)
 
     @torch.no_grad()
     def update_curvature(self) -> None:
@@ -159,23 +191,6 @@ class KFACPreconditioner:
         if s % resolve(self.config.inv_update_steps, s) == 0:
             with self._timed("decompose"):
                 self._update_decompositions(resolve(self.config.damping, s))
-
-    @torch.no_grad()
-    def precondition(self, blocks: Sequence[KFACBlock], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``nu * P(g)`` for each block's gradient matrix, cast back to the gradient's dtype."""
-        s = self.steps
-        with self._timed("precondition"):
-            damping = resolve(self.config.damping, s)
-            out = [b.precondition(g, damping) for b, g in zip(blocks, grads)]
-            kl_clip = self.config.kl_clip
-            if kl_clip is not None and out:
-                kl = resolve(kl_clip, s)
-                lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
-                vg = torch.stack([(p * g.to(p.dtype)).sum() for p, g in zip(out, grads)]).sum().abs()
-                nu = torch.sqrt(kl / (lr**2 * vg)).clamp(max=1.0)
-                self.last_nu = nu
-                out = [p.mul_(nu) for p in out]
-            return [p.to(g.dtype) for p, g in zip(out, grads)]
 
     def finish_step(self) -> None:
         """Advance the step counter and arm the hooks for the next step."""
@@ -196,7 +211,7 @@ class KFACPreconditioner:
         present = [b.a.pending > 0 and b.g.pending > 0 for b in self.blocks]
         if data_parallel_world(self.process_group) > 1:
             counts = torch.tensor(present, dtype=torch.int32, device=self._device)
-            dist.all_reduce(counts, group=self.process_group)
+            all_reduce_sum_([counts], self.process_group)
             world = data_parallel_world(self.process_group)
             partial_names = [b.name for b, c in zip(self.blocks, counts.tolist()) if 0 < c < world]
             if partial_names:
@@ -249,6 +264,28 @@ class KFACPreconditioner:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def snapshot(self) -> "Snapshot":
+        """References to all state a step changes (steps never modify tensors in place), to
+        :meth:`restore` if the step is then skipped, e.g. by DeepSpeed for fp16 overflow."""
+        return Snapshot(
+            steps=self.steps,
+            blocks=[(b.a.value, b.g.value, b.state) for b in self.blocks],
+            counters=dict(self.counters),
+            nonfinite_factors=self._nonfinite_factors,
+            last_nu=self.last_nu,
+        )
+
+    def restore(self, snap: "Snapshot") -> None:
+        """Undo everything since :meth:`snapshot`, dropping the statistics gathered for that step."""
+        for b, (a, g, state) in zip(self.blocks, snap.blocks):
+            b.a.value, b.g.value, b.state = a, g, state
+        self.discard_step_statistics()
+        self.steps = snap.steps
+        self.counters = defaultdict(int, snap.counters)
+        self._nonfinite_factors = snap.nonfinite_factors
+        self.last_nu = snap.last_nu
+        self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:

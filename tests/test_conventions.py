@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+import reference as ref
 import torch
 from torch import nn
 
-import reference as ref
 from ds_kfac import KFACPreconditioner
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,7 +110,13 @@ def test_kl_clip_scales_by_nu() -> None:
     before = torch.cat([layer64.weight.detach().clone(), layer64.bias.detach().clone()[:, None]], 1)
     opt = torch.optim.SGD(layer64.parameters(), lr=lr)
     kfac = KFACPreconditioner(
-        layer64, optimizer=opt, factor_decay=0.0, damping=damping, kl_clip=kl, factor_dtype="float64", inv_dtype="float64"
+        layer64,
+        optimizer=opt,
+        factor_decay=0.0,
+        damping=damping,
+        kl_clip=kl,
+        factor_dtype="float64",
+        inv_dtype="float64",
     )
     loss_fn(layer64(x.double()), target.double()).backward()
     kfac.step()

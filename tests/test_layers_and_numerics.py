@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+import reference as ref
 import torch
 from torch import nn
 
-import reference as ref
 from ds_kfac import KFACConfigError, KFACPreconditioner, UnsupportedLayerError
 from ds_kfac.curvature import EigenDecomposition
 

@@ -1,5 +1,5 @@
-"""Communication: bucketed collectives on flat buffers."""
+"""Communication: bucketed collectives on flat buffers, with byte counts."""
 
-from .collectives import DEFAULT_BUCKET_BYTES, all_reduce_mean_, buckets, data_parallel_world
+from .collectives import DEFAULT_BUCKET_BYTES, STATS, all_reduce_mean_, all_reduce_sum_, buckets, data_parallel_world
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "all_reduce_mean_", "buckets", "data_parallel_world"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "STATS", "all_reduce_mean_", "all_reduce_sum_", "buckets", "data_parallel_world"]

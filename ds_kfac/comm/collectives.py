@@ -1,19 +1,25 @@
-"""Collectives on flat buffers.
+"""Collectives on flat buffers, with a byte count of everything K-FAC sends.
 
 Many small per-layer tensors are packed into a few flat buffers (one per
-dtype, each at most ``bucket_bytes``) so that a step issues a handful of
-collectives instead of one per tensor. All collectives of a call are launched
-asynchronously and waited on together.
+dtype and device, each at most ``bucket_bytes``) so that a step issues a
+handful of collectives instead of one per tensor. All collectives of a call
+are launched asynchronously and waited on together. Every K-FAC collective
+goes through this module, and :data:`STATS` counts its payload bytes, so the
+documented per-step volume of each mode can be checked (``tests/``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+STATS: Counter[str] = Counter()
+"""Payload bytes this process has passed to each collective (``"all_reduce"``), and call counts (``"all_reduce_calls"``)."""
 
 
 def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -41,24 +47,42 @@ def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int
     return out
 
 
-def all_reduce_mean_(
-    tensors: Sequence[torch.Tensor],
-    group: Optional[dist.ProcessGroup] = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def _all_reduce_(
+    tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], bucket_bytes: int, average: bool
 ) -> None:
-    """Average ``tensors`` in place over the ranks of ``group``."""
     world = data_parallel_world(group)
     if world == 1 or not tensors:
         return
     pending = []
     for idx in buckets(tensors, bucket_bytes):
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        STATS["all_reduce"] += flat.numel() * flat.element_size()
+        STATS["all_reduce_calls"] += 1
         pending.append((idx, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for idx, flat, work in pending:
         work.wait()
-        flat.div_(world)
+        if average:
+            flat.div_(world)
         offset = 0
         for i in idx:
             n = tensors[i].numel()
             tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
             offset += n
+
+
+def all_reduce_mean_(
+    tensors: Sequence[torch.Tensor],
+    group: Optional[dist.ProcessGroup] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """Average ``tensors`` in place over the ranks of ``group``."""
+    _all_reduce_(tensors, group, bucket_bytes, average=True)
+
+
+def all_reduce_sum_(
+    tensors: Sequence[torch.Tensor],
+    group: Optional[dist.ProcessGroup] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """Sum ``tensors`` in place over the ranks of ``group``."""
+    _all_reduce_(tensors, group, bucket_bytes, average=False)

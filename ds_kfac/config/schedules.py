@@ -37,9 +37,7 @@ class PiecewiseSchedule(Generic[T]):
                 f"a piecewise schedule needs len(values) == len(milestones) + 1, "
                 f"got {len(self.values)} values and {len(self.milestones)} milestones"
             )
-        if any(b <= a for a, b in zip(self.milestones, self.milestones[1:])) or any(
-            m < 0 for m in self.milestones
-        ):
+        if any(b <= a for a, b in zip(self.milestones, self.milestones[1:])) or any(m < 0 for m in self.milestones):
             raise ValueError(
                 f"schedule milestones must be non-negative and strictly increasing, got {list(self.milestones)}"
             )

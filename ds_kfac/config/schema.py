@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator
@@ -42,8 +42,8 @@ def _schedule(kind: type, low: float, high: float, low_open: bool, allowed: str)
             extra = set(v) - {"milestones", "values", "initial", "gamma"}
             if extra or "milestones" not in v or (("values" in v) == ("initial" in v)):
                 raise ValueError(
-                    f"a schedule is {{'milestones': [...], 'values': [...]}} or "
-                    f"{{'initial': x, 'milestones': [...], 'gamma': g}}"
+                    "a schedule is {'milestones': [...], 'values': [...]} or "
+                    "{'initial': x, 'milestones': [...], 'gamma': g}"
                 )
             if "values" in v:
                 sched = PiecewiseSchedule(tuple(v["milestones"]), tuple(v["values"]))
@@ -171,4 +171,6 @@ def _format_errors(err: ValidationError, where: str) -> str:
 
 def _is_union_tag(part: Any) -> bool:
     """pydantic appends the tried union member (e.g. ``float``) to error locations."""
-    return isinstance(part, str) and (part in {"float", "int", "str", "bool"} or part.startswith(("literal[", "function-")))
+    return isinstance(part, str) and (
+        part in {"float", "int", "str", "bool"} or part.startswith(("literal[", "function-"))
+    )

@@ -93,11 +93,15 @@ class InverseDecomposition(Decomposition):
         a, g = a.to(dtype), g.to(dtype)
         ta, tg = torch.trace(a) / a.shape[0], torch.trace(g) / g.shape[0]
         # pi balances the damping between the factors; 1 when a trace is not positive.
-        pi = torch.where((ta > 0) & (tg > 0), torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta))
+        pi = torch.where(
+            (ta > 0) & (tg > 0), torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta)
+        )
         root = math.sqrt(damping)
         eye_a = torch.eye(a.shape[0], dtype=dtype, device=a.device)
         eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
-        return _both(_with_fallback(_inv, a + pi * root * eye_a, dtype), _with_fallback(_inv, g + (root / pi) * eye_g, dtype))
+        return _both(
+            _with_fallback(_inv, a + pi * root * eye_a, dtype), _with_fallback(_inv, g + (root / pi) * eye_g, dtype)
+        )
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         a_inv, g_inv = state

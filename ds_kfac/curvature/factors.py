@@ -29,7 +29,9 @@ class KroneckerFactor:
         self._sum: Optional[torch.Tensor] = None
         self._count = 0
 
-    def accumulate(self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0, bias_column: bool = False) -> None:
+    def accumulate(
+        self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0, bias_column: bool = False
+    ) -> None:
         """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows,
         with a trailing 1 appended to each row when ``bias_column``."""
         x = rows.detach().to(compute_dtype(self.dtype))

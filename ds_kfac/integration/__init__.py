@@ -1,0 +1,6 @@
+"""Integration with the DeepSpeed engine: ``initialize`` and :class:`KFACEngine`."""
+
+from .engine import CHECKPOINT_KEY, KFACEngine
+from .initialize import add_config_arguments, initialize
+
+__all__ = ["CHECKPOINT_KEY", "KFACEngine", "add_config_arguments", "initialize"]

@@ -1,0 +1,126 @@
+"""A DeepSpeed engine that preconditions gradients with K-FAC.
+
+:class:`KFACEngine` is a subclass of ``deepspeed.DeepSpeedEngine`` (as
+DeepSpeed's own pipeline and hybrid engines are): nothing in DeepSpeed is
+patched. The user's loop stays ``engine.backward(loss); engine.step()``:
+
+* module hooks gather factors during every micro-batch's forward and backward
+  (``G`` unscaled by ``gradient_accumulation_steps`` and the loss scale);
+* at the accumulation boundary, :meth:`step` preconditions the gradients after
+  DeepSpeed has reduced them and before DeepSpeed clips them
+  (``gradient_clipping``) and runs the base optimizer; under ZeRO 1/2 each
+  rank preconditions the gradient partition it owns (see
+  :mod:`ds_kfac.placement.gradients`);
+* if DeepSpeed then skips the step (fp16/bf16 overflow), the step's K-FAC
+  statistics are discarded and its curvature updates undone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ..config import KFACConfig
+from ..placement import Fragment, GradientLayout
+from ..preconditioner import KFACPreconditioner
+
+CHECKPOINT_KEY = "ds_kfac"
+
+
+def _zero_fragment(param: torch.nn.Parameter) -> Optional[Fragment]:
+    """This rank's fragment of ``param``'s reduced gradient under ZeRO 1/2.
+
+    Uses the fragment mapping DeepSpeed attaches to every parameter (the same
+    one behind ``deepspeed.utils.safe_get_full_grad``), without its full-size
+    all-reduce: only the local fragment is read.
+    """
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    grad = mapping.get_lp_grad_fragment(param._index_in_param_group)
+    address = mapping.lp_fragment_address
+    return Fragment(address.start, address.numel, grad.view(-1))
+
+
+class KFACEngine(DeepSpeedEngine):
+    """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
+
+    Built by :func:`ds_kfac.initialize`, which first refuses the setups this
+    engine does not support (ZeRO 3, offload, pipeline, fp16 at stage 0).
+    """
+
+    def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kfac = KFACPreconditioner(
+            self.module,
+            kfac_config,
+            lr=lambda step: self.get_lr()[0],
+            accumulation_steps=self.gradient_accumulation_steps(),
+            loss_scale=self._loss_scale,
+            process_group=self.data_parallel_group,
+        )
+        if self.zero_optimization_stage() == 0:
+            self._grad_layout = GradientLayout()
+        else:
+            self._grad_layout = GradientLayout(
+                _zero_fragment, group=self.optimizer.dp_process_group, sharded=True, grad_scale=self._loss_scale
+            )
+
+    def _loss_scale(self) -> float:
+        """The scale the gradients carry: ZeRO 1/2 scale the loss in ``engine.backward`` (fp16)."""
+        return float(self.optimizer.loss_scale) if self.zero_optimization_stage() in (1, 2) else 1.0
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        if not self.is_gradient_accumulation_boundary():
+            super().step(lr_kwargs)
+            return
+        snapshot = self.kfac.snapshot()
+        self.kfac.precondition_gradients(self._grad_layout)
+        super().step(lr_kwargs)
+        if self.was_step_applied():
+            self.kfac.finish_step()
+            self._write_monitor_events()
+        else:
+            self.kfac.restore(snapshot)
+            self.kfac.counters["skipped_steps"] += 1
+
+    def _write_monitor_events(self) -> None:
+        if not self.monitor.enabled:
+            return
+        kfac, step = self.kfac, self.global_samples
+        events = [(f"kfac/seconds/{phase}", float(t), step) for phase, t in kfac.timings.items()]
+        events += [(f"kfac/count/{name}", float(n), step) for name, n in kfac.counters.items()]
+        if kfac.last_nu is not None:
+            events.append(("kfac/nu", float(kfac.last_nu), step))
+        self.monitor.write_events(events)
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None, **kwargs: Any
+    ) -> Any:
+        """``DeepSpeedEngine.save_checkpoint`` with K-FAC's state stored beside the model's."""
+        state = dict(client_state or {})
+        state[CHECKPOINT_KEY] = self.kfac.state_dict()
+        return super().save_checkpoint(save_dir, tag, client_state=state, **kwargs)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Optional[str], Optional[dict]]:
+        """``DeepSpeedEngine.load_checkpoint`` restoring K-FAC's state too.
+
+        As with the optimizer, ``load_optimizer_states=False`` or
+        ``load_module_only=True`` start K-FAC fresh (e.g. BERT phase 2 from phase 1).
+        """
+        path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
+        if path is None:
+            return path, client_state
+        state = client_state.pop(CHECKPOINT_KEY, None)
+        if kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True):
+            return path, client_state
+        if state is None:
+            raise ValueError(
+                f"checkpoint {path} has no K-FAC state (saved without ds_kfac, or with K-FAC disabled); "
+                f"pass load_optimizer_states=False to start K-FAC fresh from its weights"
+            )
+        self.kfac.load_state_dict(state)
+        return path, client_state

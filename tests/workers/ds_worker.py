@@ -1,0 +1,101 @@
+"""Distributed worker: runs the scenarios of a JSON spec under the deepspeed launcher.
+
+Each scenario builds a fresh ``ds_kfac.initialize`` engine on the shared
+problem, trains it, and saves per-rank results to ``<out>/<index>_rank<r>.pt``.
+Scenario keys: ``ds`` (DeepSpeed config overrides), ``kfac`` (the section),
+``steps``, ``micro``, ``ga``, ``loss_scale`` (injected into ZeRO's static
+scaler), ``nan_step`` (a NaN loss in that step), ``skip_steps`` (data steps
+left out), ``save`` / ``load`` (checkpoint dir, step to save after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import problem  # noqa: E402
+
+import ds_kfac  # noqa: E402
+from ds_kfac.comm import STATS  # noqa: E402
+
+
+def config(scenario: dict, world: int) -> dict:
+    micro, ga = scenario.get("micro", 2), scenario.get("ga", 2)
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": micro * ga * world,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+        "kfac": scenario.get("kfac", {}),
+    }
+    cfg.update(scenario.get("ds", {}))
+    return cfg
+
+
+def run(scenario: dict, out: Path) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = problem.make_model()
+    cfg = config(scenario, world)
+    engine, *_ = ds_kfac.initialize(model=model, model_parameters=problem.param_groups(model), config=cfg)
+    if "loss_scale" in scenario:
+        engine.optimizer.loss_scaler.cur_scale = float(scenario["loss_scale"])
+    dtype = next(engine.module.parameters()).dtype
+    micro, ga = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    start = 0
+    if "load" in scenario:
+        engine.load_checkpoint(scenario["load"])
+        start = engine.kfac.steps
+    comm = []
+    for step in range(start, scenario["steps"]):
+        if step in scenario.get("skip_steps", []):
+            continue
+        x, y = problem.global_batch(step, micro * ga * world)
+        before = STATS["all_reduce"]
+        for m in range(ga):
+            rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
+            loss = problem.loss_fn(engine(x[rows].to(dtype)), y[rows])
+            if step == scenario.get("nan_step"):
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+        comm.append(STATS["all_reduce"] - before)
+        if scenario.get("save") and step + 1 == scenario["save"]["at"]:
+            engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
+    return {
+        "params": [p.detach().float().clone() for p in engine.module.parameters()],
+        "kfac": engine.kfac.state_dict(),
+        "comm": comm,
+        "split": engine._grad_layout._split,
+        "layers": engine.kfac.layer_names,
+        "skipped_steps": engine.skipped_steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = Path(args.out)
+    for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
+        result = run(scenario, out)
+        torch.save(result, out / f"{i}_rank{dist.get_rank()}.pt")
+    # An orderly gloo shutdown: without it a rank can abort at exit after a ZeRO checkpoint.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
