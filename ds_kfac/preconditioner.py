@@ -295,10 +295,14 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------ inspection
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank, by category."""
-        usage = {"factors": 0, "decompositions": 0}
+        """Bytes held on this rank, by category: running factors, decompositions, and the
+        accumulators of the step in progress (independent of the number of micro-batches)."""
+        usage = {"factors": 0, "decompositions": 0, "accumulators": 0}
         for b in self.blocks:
-            usage["factors"] += sum(f.value.numel() * f.value.element_size() for f in (b.a, b.g) if f.value is not None)
+            for factor in (b.a, b.g):
+                running, accumulator = factor.nbytes()
+                usage["factors"] += running
+                usage["accumulators"] += accumulator
             usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
         return usage
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,29 +29,80 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], timeout: float, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a new session; on timeout kill the whole process group."""
+def run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]] = None) -> list[str]:
+    """Run ``cmds`` concurrently, each in a new session; return their outputs.
+    If any fails or the time runs out, every process group is killed."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
-    )
+    procs = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+        )
+        for cmd in cmds
+    ]
+    deadline = time.monotonic() + timeout
+    outputs, failure = [], None
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-6000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+        for cmd, proc in zip(cmds, procs):
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failure = f"timed out after {timeout}s: {' '.join(cmd)}"
+                break
+            outputs.append(out)
+            if proc.returncode != 0:
+                failure = f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}"
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    if failure:
+        raise AssertionError(failure)
+    return outputs
+
+
+def _results(out_dir: Path, n_scenarios: int, world: int) -> list[list[dict[str, Any]]]:
+    return [[torch.load(out_dir / f"{i}_rank{r}.pt") for r in range(world)] for i in range(n_scenarios)]
+
+
+def _spec(out_dir: Path, scenarios: list[dict[str, Any]]) -> list[str]:
+    spec = out_dir / "scenarios.json"
+    spec.write_text(json.dumps(scenarios))
+    return [str(WORKERS / "ds_worker.py"), "--spec", str(spec), "--out", str(out_dir)]
 
 
 def deepspeed_run(
     world: int, out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 240
 ) -> list[list[dict[str, Any]]]:
-    """Run ``workers/ds_worker.py`` on ``world`` CPU ranks; return each scenario's per-rank results."""
-    spec = out_dir / "scenarios.json"
-    spec.write_text(json.dumps(scenarios))
+    """Run ``workers/ds_worker.py`` with ``deepspeed --num_gpus world``; return each scenario's per-rank results."""
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port())]
-    run(cmd + [str(WORKERS / "ds_worker.py"), "--spec", str(spec), "--out", str(out_dir)], timeout)
-    return [[torch.load(out_dir / f"{i}_rank{r}.pt") for r in range(world)] for i in range(len(scenarios))]
+    run([cmd + _spec(out_dir, scenarios)], timeout)
+    return _results(out_dir, len(scenarios), world)
+
+
+def torchrun_two_nodes(
+    out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 240
+) -> list[list[dict[str, Any]]]:
+    """A two-node job on loopback: two ``torchrun`` invocations, node ranks 0 and 1, one process each."""
+    port = str(free_port())
+    worker = _spec(out_dir, scenarios)
+    cmds = [
+        [
+            str(BIN / "torchrun"),
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+        ]
+        + worker
+        for node in (0, 1)
+    ]
+    run(cmds, timeout)
+    return _results(out_dir, len(scenarios), 2)

@@ -199,4 +199,16 @@ def test_memory_usage_counts_factor_and_decomposition_bytes() -> None:
     _backward(model, torch.randn(2, 4))
     kfac.step()
     # A is 5x5, G 3x3 in float32; eigen keeps Q and v of each.
-    assert kfac.memory_usage() == {"factors": (25 + 9) * 4, "decompositions": (25 + 5 + 9 + 3) * 4}
+    assert kfac.memory_usage() == {"factors": (25 + 9) * 4, "decompositions": (25 + 5 + 9 + 3) * 4, "accumulators": 0}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 64])
+def test_accumulation_memory_does_not_grow(micro_batches: int) -> None:
+    """Factors are accumulated in place: one A and one G buffer per layer, however many micro-batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 8))
+    kfac = KFACPreconditioner(model, lr=0.1, accumulation_steps=micro_batches)
+    for _ in range(micro_batches):
+        (model(torch.randn(4, 16)).square().mean() / micro_batches).backward()
+    assert kfac.memory_usage()["accumulators"] == 4 * (17**2 + 12**2 + 13**2 + 8**2)
+    assert kfac.blocks[0].a.pending == micro_batches

@@ -44,6 +44,10 @@ class KroneckerFactor:
             self._sum.add_(contribution)
         self._count += 1
 
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes of the running average and of this step's accumulator."""
+        return tuple(0 if t is None else t.numel() * t.element_size() for t in (self.value, self._sum))
+
     @property
     def pending(self) -> int:
         """Micro-batches accumulated since the last :meth:`take_step`."""

@@ -5,7 +5,8 @@ problem, trains it, and saves per-rank results to ``<out>/<index>_rank<r>.pt``.
 Scenario keys: ``ds`` (DeepSpeed config overrides), ``kfac`` (the section),
 ``steps``, ``micro``, ``ga``, ``loss_scale`` (injected into ZeRO's static
 scaler), ``nan_step`` (a NaN loss in that step), ``skip_steps`` (data steps
-left out), ``save`` / ``load`` (checkpoint dir, step to save after).
+left out), ``save`` / ``load`` (checkpoint dir, step to save after),
+``expect_error`` (record the exception's message instead of failing).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 sys.path.insert(0, str(Path(__file__).parent))
 import problem  # noqa: E402
@@ -41,7 +43,17 @@ def config(scenario: dict, world: int) -> dict:
     return cfg
 
 
-def run(scenario: dict, out: Path) -> dict:
+def run(scenario: dict) -> dict:
+    if scenario.get("expect_error"):
+        try:
+            train(scenario)
+        except Exception as err:  # the test asserts on the message
+            return {"error": f"{type(err).__name__}: {err}"}
+        return {"error": None}
+    return train(scenario)
+
+
+def train(scenario: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = problem.make_model()
     cfg = config(scenario, world)
@@ -50,10 +62,11 @@ def run(scenario: dict, out: Path) -> dict:
         engine.optimizer.loss_scaler.cur_scale = float(scenario["loss_scale"])
     dtype = next(engine.module.parameters()).dtype
     micro, ga = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    kfac = getattr(engine, "kfac", None)
     start = 0
     if "load" in scenario:
         engine.load_checkpoint(scenario["load"])
-        start = engine.kfac.steps
+        start = kfac.steps if kfac else engine.global_steps
     comm = []
     for step in range(start, scenario["steps"]):
         if step in scenario.get("skip_steps", []):
@@ -62,7 +75,7 @@ def run(scenario: dict, out: Path) -> dict:
         before = STATS["all_reduce"]
         for m in range(ga):
             rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
-            loss = problem.loss_fn(engine(x[rows].to(dtype)), y[rows])
+            loss = problem.loss_fn(engine(x[rows].to(engine.device, dtype)), y[rows].to(engine.device))
             if step == scenario.get("nan_step"):
                 loss = loss * float("nan")
             engine.backward(loss)
@@ -71,13 +84,24 @@ def run(scenario: dict, out: Path) -> dict:
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
     return {
-        "params": [p.detach().float().clone() for p in engine.module.parameters()],
-        "kfac": engine.kfac.state_dict(),
+        "params": [p.detach().float().cpu() for p in engine.module.parameters()],
+        "kfac": _to_cpu(kfac.state_dict()) if kfac else None,
         "comm": comm,
-        "split": engine._grad_layout._split,
-        "layers": engine.kfac.layer_names,
+        "split": engine._grad_layout._split if kfac else None,
         "skipped_steps": engine.skipped_steps,
+        "engine": type(engine).__name__,
+        "optimizer": type(engine.basic_optimizer).__name__,
     }
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def main() -> None:
@@ -87,10 +111,10 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     out = Path(args.out)
     for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
-        result = run(scenario, out)
+        result = run(scenario)
         torch.save(result, out / f"{i}_rank{dist.get_rank()}.pt")
     # An orderly gloo shutdown: without it a rank can abort at exit after a ZeRO checkpoint.
     dist.barrier()

@@ -1,0 +1,99 @@
+"""ds_kfac.initialize: config validation, refused setups, JSON optimizers, monitoring, checkpoint errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import launch
+import pytest
+import torch
+from workers import problem
+
+import ds_kfac
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+BAD_SECTIONS = {
+    "unknown key": ({"dampnig": 0.1}, r"kfac\.dampnig: unknown key \(allowed keys: enabled, factor_update_steps"),
+    "wrong type": ({"enabled": "maybe"}, r"kfac\.enabled: .*boolean.*'maybe'"),
+    "out of range": ({"damping": -1}, r"kfac\.damping: must be a number > 0.*\(got -1\)"),
+    "interval not integer": ({"inv_update_steps": 2.5}, r"kfac\.inv_update_steps: must be an integer >= 1"),
+    "decay out of range": ({"factor_decay": 1.0}, r"kfac\.factor_decay: must be a number in \[0, 1\)"),
+    "bad schedule": ({"damping": {"milestones": [10], "values": [0.1]}}, r"len\(values\) == len\(milestones\) \+ 1"),
+    "schedule value": ({"kl_clip": {"milestones": [5], "values": [0.1, -2]}}, r"kfac\.kl_clip: schedule values \[-2\]"),
+    "compute method": ({"compute_method": "cholesky"}, r"kfac\.compute_method: Input should be 'eigen' or 'inverse'"),
+    "fraction": ({"grad_worker_fraction": 1.5}, r"kfac\.grad_worker_fraction: must be in \(0, 1\]"),
+    "placement not yet": ({"factor_reduction": "local"}, r"not implemented.*factor_reduction='local'"),
+    "regex": ({"skip_layers": ["("]}, r"kfac\.skip_layers: '\(' is not a valid regular expression"),
+    "dtype": ({"inv_dtype": "float16"}, r"kfac\.inv_dtype: Input should be 'float32' or 'float64'"),
+    "not an object": (["damping"], r"'kfac' must be a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SECTIONS))
+def test_bad_kfac_section_names_key_value_and_allowed(case: str) -> None:
+    """Validation runs first, on every rank, before DeepSpeed or torch.distributed is touched."""
+    section, message = BAD_SECTIONS[case]
+    model = problem.make_model()
+    with pytest.raises(ds_kfac.KFACConfigError, match=message):
+        ds_kfac.initialize(model=model, model_parameters=model.parameters(), config={**BASE, "kfac": section})
+
+
+def test_two_configs_and_no_config_refused(tmp_path: Path) -> None:
+    model = problem.make_model()
+    args = argparse.Namespace(deepspeed_config=str(tmp_path / "ds.json"))
+    with pytest.raises(ValueError, match="two DeepSpeed configs given"):
+        ds_kfac.initialize(args=args, model=model, config=BASE)
+    with pytest.raises(ValueError, match="no DeepSpeed config"):
+        ds_kfac.initialize(model=model)
+
+
+def test_add_config_arguments_mirrors_deepspeed(tmp_path: Path) -> None:
+    parser = ds_kfac.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(tmp_path / "c.json")])
+    assert args.deepspeed and args.deepspeed_config.endswith("c.json")
+
+
+REFUSED = {
+    "zero3": ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
+    "offload": (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        "ZeRO offload_optimizer",
+    ),
+    "fp16 stage 0": ({"fp16": {"enabled": True}}, "fp16 with ZeRO stage 0"),
+    "BF16_Optimizer": (
+        {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+        "BF16_Optimizer",
+    ),
+}
+
+
+def test_setups_and_checkpoints_through_real_engines(tmp_path: Path) -> None:
+    """One single-rank launch: refused setups, JSON LAMB under ZeRO 2 on CPU, the disabled
+    section, DeepSpeed's CSV monitor, and the errors of loading a checkpoint that does not fit."""
+    ckpt_plain, ckpt_kfac = str(tmp_path / "plain"), str(tmp_path / "kfac")
+    lamb = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}}
+    scenarios = [{"ds": ds, "steps": 1, "expect_error": True} for ds, _ in REFUSED.values()] + [
+        {"ds": {**lamb, "zero_optimization": {"stage": 2}}, "steps": 2},
+        {"ds": {"kfac": {"enabled": False}}, "steps": 2, "save": {"dir": ckpt_plain, "at": 2}},
+        {"ds": monitor, "kfac": {"skip_layers": ["^4$"]}, "steps": 2, "save": {"dir": ckpt_kfac, "at": 2}},
+        {"steps": 3, "load": ckpt_plain, "expect_error": True},
+        {"steps": 3, "load": ckpt_kfac, "expect_error": True},
+    ]
+    results = [r[0] for r in launch.deepspeed_run(1, tmp_path, scenarios)]
+    refused, (lamb_run, disabled, monitored, no_state, mismatch) = results[: len(REFUSED)], results[len(REFUSED) :]
+    for (_, message), result in zip(REFUSED.values(), refused):
+        assert result["error"] is not None and "KFACConfigError" in result["error"] and message in result["error"]
+    assert lamb_run["optimizer"] == "Lamb" and lamb_run["engine"] == "KFACEngine"
+    assert all(torch.isfinite(p).all() for p in lamb_run["params"])
+    assert disabled["engine"] == "DeepSpeedEngine" and disabled["kfac"] is None
+    nu_rows = (tmp_path / "csv" / "job" / "kfac_nu.csv").read_text().splitlines()
+    assert nu_rows[0] == "step,nu" and len(nu_rows) == 3
+    assert all(0.0 < float(row.split(",")[1]) <= 1.0 for row in nu_rows[1:])
+    assert monitored["kfac"]["steps"] == 2
+    assert "has no K-FAC state" in no_state["error"] and "load_optimizer_states=False" in no_state["error"]
+    assert "missing from the checkpoint ['4']" in mismatch["error"]
