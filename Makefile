@@ -17,8 +17,12 @@ $(STAMP): requirements-dev.txt setup.py
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
+# The main job on its embedded default (no download): K-FAC vs SGD on scikit-learn's digits,
+# then the DeepSpeed ResNet example on 2 CPU ranks, baseline and K-FAC configs.
 demo: $(STAMP)
 	$(PY) examples/digits/train.py
+	$(VENV)/bin/deepspeed --num_gpus 2 examples/resnet/train.py --deepspeed_config configs/resnet_sgd_cpu.json
+	$(VENV)/bin/deepspeed --num_gpus 2 examples/resnet/train.py --deepspeed_config configs/resnet_kfac_cpu.json
 
 # pytest exits 5 when it collects no test: that is a failure, never a silent success.
 test: $(STAMP)
