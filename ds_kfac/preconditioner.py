@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import DEFAULT_BUCKET_BYTES, all_reduce_mean_, all_reduce_sum_, data_parallel_world
+from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import METHODS, KFACBlock, all_finite
 from .layers import SkippedLayer, find_layers
-from .placement import GradientLayout
+from .placement import Distributor, GradientLayout
 
 LossScale = Callable[[], Union[float, torch.Tensor]]
 
@@ -116,12 +116,14 @@ class KFACPreconditioner:
             KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
             for name, adapter in layers
         ]
+        self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes)
         self.steps = 0
         self.last_nu: Optional[torch.Tensor] = None
         self.counters: dict[str, int] = defaultdict(int)
         self.timings: dict[str, float] = defaultdict(float)
         self._nonfinite_factors: Optional[torch.Tensor] = None
         self._reported_missing: set[str] = set()
+        self._seen: set[str] = set()  # layers that have had factors (the same set on every rank)
         self._collecting = True
         self._handles = [
             block.adapter.module.register_forward_hook(partial(self._forward_hook, block)) for block in self.blocks
@@ -130,6 +132,8 @@ class KFACPreconditioner:
     # ------------------------------------------------------------------ hooks
     def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
         if not (self._collecting and module.training and torch.is_grad_enabled()):
+            return
+        if not self.distributor.collects(block):
             return
         x = inputs[0]
         block.a.accumulate(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
@@ -168,18 +172,31 @@ class KFACPreconditioner:
         """Steps 2-4 of the flow for the step in progress, without advancing the step counter."""
         self.update_curvature()
         s = self.steps
+        dist_ = self.distributor
         blocks, grads, fragments = layout.gather(self.blocks)
         with self._timed("precondition"):
             damping = resolve(self.config.damping, s)
-            out = [b.precondition(g, damping) for b, g in zip(blocks, grads)]
+            mine = [dist_.is_grad_worker(b) for b in blocks]
+            out = [b.precondition(g, damping) if m else None for b, g, m in zip(blocks, grads, mine)]
             kl_clip = self.config.kl_clip
             if kl_clip is not None:
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
-                vg = layout.dot(blocks, fragments, out, grads).abs()
-                nu = torch.sqrt(resolve(kl_clip, s) / (lr**2 * vg)).clamp(max=1.0)
+                counted = [i for i, b in enumerate(blocks) if mine[i] and (layout.sharded or dist_.counts_in_kl_sum(b))]
+                vg = layout.dot(
+                    [blocks[i] for i in counted],
+                    [fragments[i] for i in counted],
+                    [out[i] for i in counted],
+                    [grads[i] for i in counted],
+                )
+                if layout.sharded or not dist_.plan.replicated:
+                    vg = vg.to(torch.float32).reshape(1)
+                    all_reduce_sum_([vg], self.process_group)
+                    vg = vg[0]
+                scale = layout.grad_scale()
+                nu = torch.sqrt(resolve(kl_clip, s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
                 self.last_nu = nu
-                out = [p.mul_(nu.to(p.dtype)) for p in out]
-            layout.write(blocks, fragments, out)
+                out = [None if p is None else p.mul_(nu.to(p.dtype)) for p in out]
+            layout.write(blocks, fragments, dist_.share_preconditioned(blocks, out, grads))
 
     @torch.no_grad()
     def update_curvature(self) -> None:
@@ -198,25 +215,25 @@ class KFACPreconditioner:
         self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
 
     def _update_factors(self, decay: float) -> None:
-        factors = [f for b in self._blocks_with_statistics() for f in (b.a, b.g)]
-        values = [f.take_step() for f in factors]
-        all_reduce_mean_(values, self.process_group, self.bucket_bytes)
-        flags = [f.update(v, decay) for f, v in zip(factors, values)]
+        flags = self.distributor.update_factors(self._blocks_with_statistics(), decay)
         if flags:
             bad = (~torch.stack(flags)).sum()
             self._nonfinite_factors = bad if self._nonfinite_factors is None else self._nonfinite_factors + bad
 
     def _blocks_with_statistics(self) -> list[KFACBlock]:
-        """Blocks whose hooks fired this step; report (once) and reset those whose did not."""
+        """Blocks whose hooks fired this step, agreed on by all ranks; report (once) and
+        reset those whose did not. In ``local`` mode only a layer's owner collects."""
         present = [b.a.pending > 0 and b.g.pending > 0 for b in self.blocks]
-        if data_parallel_world(self.process_group) > 1:
+        world = data_parallel_world(self.process_group)
+        if world > 1:
             counts = torch.tensor(present, dtype=torch.int32, device=self._device)
             all_reduce_sum_([counts], self.process_group)
-            world = data_parallel_world(self.process_group)
-            partial_names = [b.name for b, c in zip(self.blocks, counts.tolist()) if 0 < c < world]
+            expected = 1 if self.config.factor_reduction == "local" else world
+            counts = counts.tolist()
+            partial_names = [b.name for b, c in zip(self.blocks, counts) if 0 < c < expected]
             if partial_names:
                 raise RuntimeError(f"K-FAC hooks fired on some data-parallel ranks but not others for {partial_names}")
-            present = [c == world for c in counts.tolist()]
+            present = [c == expected for c in counts]
         missing = [b.name for b, ok in zip(self.blocks, present) if not ok]
         for b, ok in zip(self.blocks, present):
             if not ok:
@@ -234,10 +251,13 @@ class KFACPreconditioner:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        return [b for b, ok in zip(self.blocks, present) if ok]
+        ready = [b for b, ok in zip(self.blocks, present) if ok]
+        self._seen.update(b.name for b in ready)
+        return ready
 
     def _update_decompositions(self, damping: float) -> None:
-        candidates = [(b, b.decompose(damping)) for b in self.blocks if b.has_factors]
+        chosen, states = self.distributor.decompose([b for b in self.blocks if b.name in self._seen], damping)
+        candidates = list(zip(chosen, states))
         if not candidates:
             return
         flags = [all_finite(state).to(self._device) for _, state in candidates]
@@ -321,7 +341,9 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """All K-FAC state, world-size independent: full factors and decompositions per layer."""
+        """All K-FAC state, world-size and placement independent: whole factors and
+        decompositions per layer, gathered from the ranks that hold them. Collective:
+        call it on every rank (as ``engine.save_checkpoint`` is)."""
         if self._nonfinite_factors is not None:
             self.counters["nonfinite_factor_updates"] += int(self._nonfinite_factors)
             self._nonfinite_factors = None
@@ -331,14 +353,15 @@ class KFACPreconditioner:
             "compute_method": self.config.compute_method,
             "counters": dict(self.counters),
             "layers": {
-                b.name: {
-                    "shape": (b.adapter.a_dim, b.adapter.g_dim),
-                    "A": b.a.value,
-                    "G": b.g.value,
-                    "state": None if b.state is None else list(b.state),
-                }
-                for b in self.blocks
+                name: {"shape": (b.adapter.a_dim, b.adapter.g_dim), **entry}
+                for (name, entry), b in zip(self.distributor.gather_state(self._local_state()).items(), self.blocks)
             },
+        }
+
+    def _local_state(self) -> dict[str, dict[str, Any]]:
+        return {
+            b.name: {"A": b.a.value, "G": b.g.value, "state": None if b.state is None else list(b.state)}
+            for b in self.blocks
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -366,10 +389,15 @@ class KFACPreconditioner:
         for b in self.blocks:
             entry = state["layers"][b.name]
             device = b.adapter.module.weight.device
-            b.a.value, b.g.value = (None if t is None else t.to(device) for t in (entry["A"], entry["G"]))
-            b.state = None if entry["state"] is None else tuple(t.to(device) for t in entry["state"])
+            keep = self.distributor
+            a, g = (None if t is None else t.to(device) for t in (entry["A"], entry["G"]))
+            b.a.value = a if keep.keeps(b, "A") else None
+            b.g.value = g if keep.keeps(b, "G") else None
+            worker = keep.is_grad_worker(b) and entry["state"] is not None
+            b.state = tuple(t.to(device) for t in entry["state"]) if worker else None
             b.a.discard_step()
             b.g.discard_step()
+        self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
         self.steps = state["steps"]
         self.counters = defaultdict(int, state["counters"])
         self._nonfinite_factors = None

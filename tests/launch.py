@@ -63,7 +63,9 @@ def run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]] = N
 
 
 def _results(out_dir: Path, n_scenarios: int, world: int) -> list[list[dict[str, Any]]]:
-    return [[torch.load(out_dir / f"{i}_rank{r}.pt") for r in range(world)] for i in range(n_scenarios)]
+    return [
+        [torch.load(out_dir / f"{i}_rank{r}.pt", map_location="cpu") for r in range(world)] for i in range(n_scenarios)
+    ]
 
 
 def _spec(out_dir: Path, scenarios: list[dict[str, Any]]) -> list[str]:
@@ -106,3 +108,27 @@ def torchrun_two_nodes(
     ]
     run(cmds, timeout)
     return _results(out_dir, len(scenarios), 2)
+
+
+def torchrun(
+    world: int, out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 300
+) -> list[list[dict[str, Any]]]:
+    """Run ``workers/ddp_worker.py`` (standalone K-FAC under DDP) on ``world`` ranks of one torchrun."""
+    spec = out_dir / "scenarios.json"
+    spec.write_text(json.dumps(scenarios))
+    cmd = [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        str(world),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(WORKERS / "ddp_worker.py"),
+        "--spec",
+        str(spec),
+        "--out",
+        str(out_dir),
+    ]
+    run([cmd], timeout)
+    return _results(out_dir, len(scenarios), world)

@@ -59,6 +59,10 @@ ZERO_VARIANTS = {
     },
     "stage2_no_contiguous": {"zero_optimization": {"stage": 2, "contiguous_gradients": False}},
 }
+PLACEMENT_VARIANTS = {
+    "stage0_mem_opt_reduce": {"kfac": {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"}},
+    "stage0_hybrid_symmetric": {"kfac": {"grad_worker_fraction": 0.5, "symmetric_comm": True}},
+}
 BF16_VARIANTS = {
     "stage0_bf16": {"bf16": {"enabled": True}},
     "stage2_bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
@@ -70,10 +74,22 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list
     out = tmp_path_factory.mktemp("equivalence")
     variants = {**ZERO_VARIANTS, **BF16_VARIANTS}
     scenarios = [{"ds": ds, "kfac": KFAC, "steps": STEPS} for ds in variants.values()]
+    for name, extra in PLACEMENT_VARIANTS.items():
+        variants[name] = {}
+        scenarios.append({"kfac": {**KFAC, **extra["kfac"]}, "steps": STEPS})
+    variants["zero2_mem_opt"] = {}  # refused
+    scenarios.append(
+        {
+            "ds": ZERO_VARIANTS["stage2"],
+            "kfac": {**KFAC, "grad_worker_fraction": "mem-opt"},
+            "steps": 1,
+            "expect_error": True,
+        }
+    )
     return dict(zip(variants, launch.deepspeed_run(WORLD, out, scenarios)))
 
 
-@pytest.mark.parametrize("variant", list(ZERO_VARIANTS) + list(BF16_VARIANTS))
+@pytest.mark.parametrize("variant", list(ZERO_VARIANTS) + list(PLACEMENT_VARIANTS) + list(BF16_VARIANTS))
 def test_zero_stages_match_single_process(equivalence_runs: dict, variant: str) -> None:
     """fp32 to FP32_TOL, bf16 to BF16_TOL, of the single-process run; ranks bit-identical."""
     expected, _ = reference(STEPS)
@@ -86,22 +102,32 @@ def test_zero_stages_match_single_process(equivalence_runs: dict, variant: str) 
 
 @pytest.mark.parametrize("variant", list(ZERO_VARIANTS))
 def test_bytes_on_the_wire_match_the_formula(equivalence_runs: dict, variant: str) -> None:
-    """Stage 0: only factors move. ZeRO 1/2: plus layers split across ranks and one KL scalar,
-    never a full-gradient all-reduce; the split layout is agreed once (one int32 per layer)."""
+    """Stage 0: factors (all-reduce) and, on decomposition steps, each factor's eigendecomposition
+    from its assigned rank (broadcast). ZeRO 1/2 add the layers split across ranks and one KL
+    scalar, never a full-gradient all-reduce; the split layout is agreed once (one int32 per layer)."""
     _, kfac = reference(1)
     results = equivalence_runs[variant]
     sharded = variant != "stage0"
+    decompositions = sum(4 * (d * d + d) for b in kfac.blocks for d in (b.adapter.a_dim, b.adapter.g_dim))
+    full_gradient = 4 * sum(p.numel() for p in problem.make_model().parameters())
+    for step in range(STEPS):
+        sent = sum(r["comm"][step]["broadcast"] for r in results)
+        assert sent == (decompositions if step % KFAC["inv_update_steps"] == 0 else 0)
     for rank_result in results:
         split_numel = sum(
-            p.numel() for b, s in zip(kfac.blocks, rank_result["split"] or [False] * 3) if s for p in b.adapter.params()
+            p.numel() for b, s in zip(kfac.blocks, rank_result["split"] or []) if s for p in b.adapter.params()
         )
         per_step = factor_bytes(kfac) + (4 * split_numel + 4 if sharded else 0)
         once = 4 * len(kfac.blocks) if sharded else 0
-        assert rank_result["comm"] == [per_step + once] + [per_step] * (STEPS - 1)
+        assert [c["all_reduce"] for c in rank_result["comm"]] == [per_step + once] + [per_step] * (STEPS - 1)
+        assert 4 * split_numel + 4 < full_gradient
         if sharded:
             assert any(rank_result["split"]), "the problem should make ZeRO split a layer across ranks"
-    full_gradient = 4 * sum(p.numel() for p in problem.make_model().parameters())
-    assert 4 * split_numel + 4 < full_gradient
+
+
+def test_placement_modes_other_than_comm_opt_refused_under_zero_1_2(equivalence_runs: dict) -> None:
+    for result in equivalence_runs["zero2_mem_opt"]:
+        assert "KFACConfigError" in result["error"] and "needs ZeRO stage 0" in result["error"]
 
 
 def test_loss_scale_and_overflow(tmp_path: Path) -> None:

@@ -26,7 +26,10 @@ BAD_SECTIONS = {
     "schedule value": ({"kl_clip": {"milestones": [5], "values": [0.1, -2]}}, r"kfac\.kl_clip: schedule values \[-2\]"),
     "compute method": ({"compute_method": "cholesky"}, r"kfac\.compute_method: Input should be 'eigen' or 'inverse'"),
     "fraction": ({"grad_worker_fraction": 1.5}, r"kfac\.grad_worker_fraction: must be in \(0, 1\]"),
-    "placement not yet": ({"factor_reduction": "local"}, r"not implemented.*factor_reduction='local'"),
+    "reduction": (
+        {"factor_reduction": "scatter"},
+        r"kfac\.factor_reduction: Input should be 'allreduce', 'reduce' or 'local'",
+    ),
     "regex": ({"skip_layers": ["("]}, r"kfac\.skip_layers: '\(' is not a valid regular expression"),
     "dtype": ({"inv_dtype": "float16"}, r"kfac\.inv_dtype: Input should be 'float32' or 'float64'"),
     "not an object": (["damping"], r"'kfac' must be a JSON object"),

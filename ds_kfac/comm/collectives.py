@@ -19,7 +19,8 @@ import torch.distributed as dist
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 STATS: Counter[str] = Counter()
-"""Payload bytes this process has passed to each collective (``"all_reduce"``), and call counts (``"all_reduce_calls"``)."""
+"""Payload bytes per collective kind on this process (``"all_reduce"``, ``"reduce"``; ``"broadcast"``
+counts what this rank sends as source), and call counts (``"<kind>_calls"``)."""
 
 
 def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -61,13 +62,93 @@ def _all_reduce_(
         pending.append((idx, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for idx, flat, work in pending:
         work.wait()
-        if average:
-            flat.div_(world)
-        offset = 0
-        for i in idx:
-            n = tensors[i].numel()
-            tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
-            offset += n
+        _unpack(flat.div_(world) if average else flat, tensors, idx)
+
+
+def _flat_buckets(tensors: Sequence[torch.Tensor], keys: Sequence[tuple], bucket_bytes: int) -> list[list[int]]:
+    """Buckets of tensor indices sharing a key (destination, group, ...) and dtype, in first-seen order."""
+    grouped: dict[tuple, list[int]] = {}
+    for i, key in enumerate(keys):
+        grouped.setdefault((key, tensors[i].dtype, tensors[i].device), []).append(i)
+    out = []
+    for idx in grouped.values():
+        out.extend([idx[j] for j in b] for b in buckets([tensors[i] for i in idx], bucket_bytes))
+    return out
+
+
+def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], idx: Sequence[int]) -> None:
+    offset = 0
+    for i in idx:
+        n = tensors[i].numel()
+        tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
+        offset += n
+
+
+def reduce_mean_to_(
+    tensors: Sequence[torch.Tensor],
+    dsts: Sequence[int],
+    group: Optional[dist.ProcessGroup] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """Average each tensor over the ranks of ``group`` onto its destination (a global rank)
+    only (SP-NGD's reduce-to-owner); tensors elsewhere are left as they were."""
+    world = data_parallel_world(group)
+    if world == 1 or not tensors:
+        return
+    me = dist.get_rank()
+    pending = []
+    for idx in _flat_buckets(tensors, [(d,) for d in dsts], bucket_bytes):
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        STATS["reduce"] += flat.numel() * flat.element_size()
+        STATS["reduce_calls"] += 1
+        pending.append((idx, flat, dsts[idx[0]], dist.reduce(flat, dst=dsts[idx[0]], group=group, async_op=True)))
+    for idx, flat, dst, work in pending:
+        work.wait()
+        if dst == me:
+            _unpack(flat.div_(world), tensors, idx)
+
+
+def broadcast_(
+    tensors: Sequence[torch.Tensor],
+    srcs: Sequence[int],
+    groups: Sequence[Optional[dist.ProcessGroup]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """Broadcast each tensor from its source (a global rank) within its group, in place.
+
+    Every member of a group must pass that group's tensors in the same order;
+    receivers pass buffers of the right shape and dtype.
+    """
+    if not tensors:
+        return
+    me = dist.get_rank()
+    pending = []
+    for idx in _flat_buckets(tensors, [(s, id(g)) for s, g in zip(srcs, groups)], bucket_bytes):
+        src, group = srcs[idx[0]], groups[idx[0]]
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        if src == me:
+            STATS["broadcast"] += flat.numel() * flat.element_size()
+            STATS["broadcast_calls"] += 1
+        pending.append((idx, flat, src, dist.broadcast(flat, src=src, group=group, async_op=True)))
+    for idx, flat, src, work in pending:
+        work.wait()
+        if src != me:
+            _unpack(flat, tensors, idx)
+
+
+def pack_symmetric(matrix: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (with diagonal) of a symmetric matrix, row by row."""
+    rows, cols = torch.triu_indices(matrix.shape[0], matrix.shape[1], device=matrix.device)
+    return matrix[rows, cols]
+
+
+def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_symmetric`."""
+    rows, cols = torch.triu_indices(dim, dim, device=packed.device)
+    out = packed.new_empty(dim, dim)
+    out[rows, cols] = packed
+    out[cols, rows] = packed
+    return out
 
 
 def all_reduce_mean_(

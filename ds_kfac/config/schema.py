@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator
 
 from .schedules import PiecewiseSchedule
 
@@ -113,21 +113,6 @@ class KFACConfig(BaseModel):
         if v < 1:
             raise ValueError("must be a positive integer")
         return v
-
-    @model_validator(mode="after")
-    def _supported_placement(self) -> "KFACConfig":
-        # Distributed placement modes other than the default are tracked in the
-        # "Distributed preconditioning" issue; refuse them instead of ignoring them.
-        unsupported = []
-        if self.grad_worker_fraction not in ("comm-opt", 1.0):
-            unsupported.append(f"grad_worker_fraction={self.grad_worker_fraction!r} (supported: 'comm-opt' or 1.0)")
-        if self.factor_reduction != "allreduce":
-            unsupported.append(f"factor_reduction={self.factor_reduction!r} (supported: 'allreduce')")
-        if self.symmetric_comm:
-            unsupported.append("symmetric_comm=true (supported: false)")
-        if unsupported:
-            raise ValueError("not implemented in this version of ds_kfac: " + "; ".join(unsupported))
-        return self
 
     @property
     def factor_torch_dtype(self) -> torch.dtype:

@@ -36,16 +36,6 @@ class KFACBlock:
         self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
         self.state: Optional[State] = None
 
-    @property
-    def has_factors(self) -> bool:
-        return self.a.value is not None and self.g.value is not None
-
-    def decompose(self, damping: float) -> Optional[State]:
-        """A candidate decomposition of the current factors (not yet adopted)."""
-        if not self.has_factors:
-            return None
-        return self.method.compute(self.a.value, self.g.value, damping, self.inv_dtype)
-
     def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
         """``P(grad)`` in the decomposition's dtype; the gradient itself before the first decomposition."""
         if self.state is None:

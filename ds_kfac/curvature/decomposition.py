@@ -26,17 +26,18 @@ State = tuple[torch.Tensor, ...]
 
 
 def _with_fallback(fn: Callable[[torch.Tensor], State], matrix: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
-    """``fn(matrix)`` in ``dtype``, retried in float64 (results cast back) if LAPACK fails; ``None`` if both fail."""
+    """``fn(matrix)`` in ``dtype``, retried in float64 (results cast back) if LAPACK fails; ``None`` if both fail.
+
+    Results are made contiguous: LAPACK returns column-major eigenvectors, and a rank
+    that receives them by broadcast holds them row-major; the same layout everywhere
+    keeps matmuls, and so parameters, bit-identical across ranks.
+    """
     for attempt in (dtype, torch.float64):
         try:
-            return tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
+            return tuple(t.to(dtype).contiguous() for t in fn(matrix.to(attempt)))
         except torch.linalg.LinAlgError:
             continue
     return None
-
-
-def _both(first: Optional[State], second: Optional[State]) -> Optional[State]:
-    return None if first is None or second is None else first + second
 
 
 def _eigh(matrix: torch.Tensor) -> State:
@@ -56,13 +57,26 @@ def all_finite(state: Optional[State]) -> torch.Tensor:
 
 
 class Decomposition(ABC):
-    """A compute method: what is stored per layer and how it preconditions."""
+    """A compute method: what is stored per factor and how it preconditions.
+
+    A layer's state is ``a_side + g_side``: the tensors of its ``A`` side
+    followed by those of its ``G`` side, so the two sides can be computed on
+    different ranks and sent separately.
+    """
 
     name: str
+    colocated: bool
+    """Whether both sides must be computed together (on one rank)."""
 
     @abstractmethod
-    def compute(self, a: torch.Tensor, g: torch.Tensor, damping: float, dtype: torch.dtype) -> Optional[State]:
-        """The per-layer state from factors ``A`` and ``G`` (``None`` if LAPACK failed)."""
+    def side_shapes(self, dim: int) -> list[tuple[int, ...]]:
+        """Shapes of one side's tensors for a factor of size ``dim``."""
+
+    @abstractmethod
+    def compute(
+        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+    ) -> tuple[Optional[State], Optional[State]]:
+        """The ``A`` and ``G`` sides from the factors given (``None`` where not given or LAPACK failed)."""
 
     @abstractmethod
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
@@ -70,12 +84,18 @@ class Decomposition(ABC):
 
 
 class EigenDecomposition(Decomposition):
-    """State ``(Q_A, v_A, Q_G, v_G)``; damping is applied when preconditioning."""
+    """Sides ``(Q_A, v_A)`` and ``(Q_G, v_G)``, independent; damping is applied when preconditioning."""
 
     name = "eigen"
+    colocated = False
 
-    def compute(self, a: torch.Tensor, g: torch.Tensor, damping: float, dtype: torch.dtype) -> Optional[State]:
-        return _both(_with_fallback(_eigh, a, dtype), _with_fallback(_eigh, g, dtype))
+    def side_shapes(self, dim: int) -> list[tuple[int, ...]]:
+        return [(dim, dim), (dim,)]
+
+    def compute(
+        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+    ) -> tuple[Optional[State], Optional[State]]:
+        return tuple(None if f is None else _with_fallback(_eigh, f, dtype) for f in (a, g))
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         qa, va, qg, vg = state
@@ -85,23 +105,29 @@ class EigenDecomposition(Decomposition):
 
 
 class InverseDecomposition(Decomposition):
-    """State ``(A_damped^-1, G_damped^-1)``; damping is folded in at decomposition time."""
+    """Sides ``(A_damped^-1,)`` and ``(G_damped^-1,)``; damping is folded in at decomposition
+    time and couples the sides through ``pi``, so both are computed together."""
 
     name = "inverse"
+    colocated = True
 
-    def compute(self, a: torch.Tensor, g: torch.Tensor, damping: float, dtype: torch.dtype) -> Optional[State]:
+    def side_shapes(self, dim: int) -> list[tuple[int, ...]]:
+        return [(dim, dim)]
+
+    def compute(
+        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+    ) -> tuple[Optional[State], Optional[State]]:
+        if a is None or g is None:
+            raise ValueError("the inverse method decomposes A and G together")
         a, g = a.to(dtype), g.to(dtype)
         ta, tg = torch.trace(a) / a.shape[0], torch.trace(g) / g.shape[0]
         # pi balances the damping between the factors; 1 when a trace is not positive.
-        pi = torch.where(
-            (ta > 0) & (tg > 0), torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta)
-        )
+        ok = (ta > 0) & (tg > 0)
+        pi = torch.where(ok, torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta))
         root = math.sqrt(damping)
         eye_a = torch.eye(a.shape[0], dtype=dtype, device=a.device)
         eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
-        return _both(
-            _with_fallback(_inv, a + pi * root * eye_a, dtype), _with_fallback(_inv, g + (root / pi) * eye_g, dtype)
-        )
+        return _with_fallback(_inv, a + pi * root * eye_a, dtype), _with_fallback(_inv, g + (root / pi) * eye_g, dtype)
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         a_inv, g_inv = state

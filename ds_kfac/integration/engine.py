@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ..config import KFACConfig
+from ..config import KFACConfig, KFACConfigError
 from ..placement import Fragment, GradientLayout
 from ..preconditioner import KFACPreconditioner
 
@@ -63,6 +63,12 @@ class KFACEngine(DeepSpeedEngine):
         )
         if self.zero_optimization_stage() == 0:
             self._grad_layout = GradientLayout()
+        elif not self.kfac.distributor.plan.replicated:
+            raise KFACConfigError(
+                f"kfac.grad_worker_fraction={kfac_config.grad_worker_fraction!r} needs ZeRO stage 0: under ZeRO 1/2 "
+                f"each rank preconditions the gradient partition it owns, which needs every layer's decomposition "
+                f"on every rank (grad_worker_fraction='comm-opt')"
+            )
         else:
             self._grad_layout = GradientLayout(
                 _zero_fragment, group=self.optimizer.dp_process_group, sharded=True, grad_scale=self._loss_scale

@@ -1,5 +1,17 @@
-"""Placement: where each layer's gradient lies and which rank preconditions it."""
+"""Placement: who does which K-FAC work (the plan), carrying it out, and where gradients lie."""
 
+from .distributor import Distributor
 from .gradients import Fragment, GradientLayout, whole_grad
+from .plan import LayerPlacement, LayerShape, PlacementPlan, lpt, workers_per_layer
 
-__all__ = ["Fragment", "GradientLayout", "whole_grad"]
+__all__ = [
+    "Distributor",
+    "Fragment",
+    "GradientLayout",
+    "LayerPlacement",
+    "LayerShape",
+    "PlacementPlan",
+    "lpt",
+    "whole_grad",
+    "workers_per_layer",
+]

@@ -136,8 +136,8 @@ class GradientLayout:
         precond: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
     ) -> torch.Tensor:
-        """``sum over layers of sum(P(g) * g)`` for the unscaled gradients, over the fragments
-        each rank holds (so every element counts once), summed over ranks when sharded."""
+        """This rank's part of ``sum over layers of sum(P(g) * g)``: over the fragments it
+        holds, so that summed over ranks every element counts once when sharded."""
         parts = []
         for block, block_frags, p, g in zip(blocks, fragments, precond, grads):
             pieces = zip(block.adapter.matrix_to_grads(p), block.adapter.matrix_to_grads(g.to(p.dtype)), block_frags)
@@ -145,12 +145,7 @@ class GradientLayout:
                 if f is not None:
                     held = slice(f.start, f.start + f.numel)
                     parts.append((p_param.reshape(-1)[held] * g_param.reshape(-1)[held]).sum())
-        total = torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, device=_device(blocks))
-        if self.sharded:
-            total = total.to(torch.float32)
-            all_reduce_sum_([total], self.group)
-        scale = self.grad_scale()
-        return total[0] / (scale * scale)
+        return torch.stack(parts).sum() if parts else torch.zeros((), device=_device(blocks))
 
     def write(
         self,

@@ -72,7 +72,7 @@ def train(scenario: dict) -> dict:
         if step in scenario.get("skip_steps", []):
             continue
         x, y = problem.global_batch(step, micro * ga * world)
-        before = STATS["all_reduce"]
+        before = dict(STATS)
         for m in range(ga):
             rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
             loss = problem.loss_fn(engine(x[rows].to(engine.device, dtype)), y[rows].to(engine.device))
@@ -80,28 +80,18 @@ def train(scenario: dict) -> dict:
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-        comm.append(STATS["all_reduce"] - before)
+        comm.append({k: STATS[k] - before.get(k, 0) for k in ("all_reduce", "reduce", "broadcast")})
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
     return {
         "params": [p.detach().float().cpu() for p in engine.module.parameters()],
-        "kfac": _to_cpu(kfac.state_dict()) if kfac else None,
+        "kfac": kfac.state_dict() if kfac else None,
         "comm": comm,
         "split": engine._grad_layout._split if kfac else None,
         "skipped_steps": engine.skipped_steps,
         "engine": type(engine).__name__,
         "optimizer": type(engine.basic_optimizer).__name__,
     }
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def main() -> None:

@@ -14,6 +14,19 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, OUT))
 
 
+def make_uniform_model() -> nn.Module:
+    """Eight equal layers: a balanced placement gives every rank the same share."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(WIDE, WIDE), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+WIDE = 10
+MODELS = {"mlp": make_model, "uniform": make_uniform_model}
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Weights and biases in separate groups, as weight-decay recipes do (K-FAC must join them)."""
     named = list(model.named_parameters())
@@ -23,10 +36,11 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, size: int, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of optimizer step ``step``: the same on every rank and world size."""
+    first, last = (model[0].in_features, model[-1].out_features) if model is not None else (IN, OUT)
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
+    return torch.randn(size, first, generator=g), torch.randn(size, last, generator=g)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""Carry out a placement plan: move factors, decompositions and preconditioned gradients.
+
+The :class:`Distributor` is the only part of K-FAC that knows who does what.
+Per factor-update step it reduces the factors to the ranks that keep them
+(``allreduce``: the layer's gradient workers; ``reduce``: the decomposing rank;
+``local``: nothing moves, the owner computed them alone). Per decomposition
+step each rank decomposes the factors assigned to it and broadcasts the result
+within the layer's column of gradient workers. Per step, gradient workers
+precondition and, when not every rank is a gradient worker, broadcast the
+result along rows to the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import (
+    RankGroups,
+    all_reduce_mean_,
+    broadcast_,
+    data_parallel_world,
+    pack_symmetric,
+    reduce_mean_to_,
+    unpack_symmetric,
+)
+from ..config import KFACConfig
+from ..curvature import Decomposition, KFACBlock, KroneckerFactor
+from ..curvature.decomposition import State
+from ..curvature.factors import compute_dtype
+from .plan import LayerShape, PlacementPlan
+
+
+class Distributor:
+    """One rank's share of the K-FAC work under a :class:`PlacementPlan`."""
+
+    def __init__(
+        self,
+        blocks: Sequence[KFACBlock],
+        config: KFACConfig,
+        method: Decomposition,
+        group: Optional[dist.ProcessGroup],
+        bucket_bytes: int,
+    ) -> None:
+        self.config = config
+        self.method = method
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.world = data_parallel_world(group)
+        shapes = [LayerShape(b.name, b.adapter.a_dim, b.adapter.g_dim) for b in blocks]
+        colocate = method.colocated or config.factor_reduction == "local"
+        self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate)
+        self.groups = RankGroups(self.plan.n, group) if self.world > 1 else None
+        self.rank = self.groups.rank if self.groups else 0
+
+    # ----------------------------------------------------------------- roles
+    def collects(self, block: KFACBlock) -> bool:
+        """Whether this rank's hooks compute the layer's factors (``local``: its owner only)."""
+        return self.config.factor_reduction != "local" or self.rank == self.plan.layers[block.name].a_worker
+
+    def is_grad_worker(self, block: KFACBlock) -> bool:
+        return self.plan.is_grad_worker(block.name, self.rank)
+
+    def keeps(self, block: KFACBlock, side: str) -> bool:
+        """Whether this rank holds the running factor ``side`` ("A" or "G") of the layer."""
+        placement = self.plan.layers[block.name]
+        worker = placement.a_worker if side == "A" else placement.g_worker
+        if self.config.factor_reduction == "allreduce":
+            return self.is_grad_worker(block)
+        return self.rank == worker
+
+    def counts_in_kl_sum(self, block: KFACBlock) -> bool:
+        """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
+        return self.plan.replicated or self.rank == self.plan.layers[block.name].a_worker
+
+    # ---------------------------------------------------------------- factors
+    def update_factors(self, blocks: Sequence[KFACBlock], decay: float) -> list[torch.Tensor]:
+        """Reduce this step's factors of ``blocks`` and fold them in where they are kept;
+        return the finiteness flags of the folded-in values (device tensors)."""
+        sides = [(b, side, f) for b in blocks for side, f in (("A", b.a), ("G", b.g))]
+        values = [f.take_step() for _, _, f in sides]
+        reduction = self.config.factor_reduction
+        if self.world > 1 and reduction != "local":
+            wire = [self._to_wire(v) for v in values]
+            if reduction == "allreduce":
+                all_reduce_mean_(wire, self.group, self.bucket_bytes)
+            else:
+                dsts = [self._worker_global(b, side) for b, side, _ in sides]
+                reduce_mean_to_(wire, dsts, self.group, self.bucket_bytes)
+            values = [self._from_wire(w, f) for w, (_, _, f) in zip(wire, sides)]
+        flags = []
+        for (block, side, factor), value in zip(sides, values):
+            if value is not None and self.keeps(block, side):
+                flags.append(factor.update(value, decay))
+            else:
+                factor.value = None
+        return flags
+
+    def _worker_global(self, block: KFACBlock, side: str) -> int:
+        placement = self.plan.layers[block.name]
+        return self.groups.to_global(placement.a_worker if side == "A" else placement.g_worker)
+
+    def _to_wire(self, value: torch.Tensor) -> torch.Tensor:
+        """Factors travel in ``factor_dtype``, upper triangles only with ``symmetric_comm``."""
+        value = value.to(self.config.factor_torch_dtype)
+        return pack_symmetric(value) if self.config.symmetric_comm else value
+
+    def _from_wire(self, wire: torch.Tensor, factor: KroneckerFactor) -> torch.Tensor:
+        value = unpack_symmetric(wire, factor.dim) if self.config.symmetric_comm else wire
+        return value.to(compute_dtype(factor.dtype))
+
+    # --------------------------------------------------------- decompositions
+    def decompose(self, blocks: Sequence[KFACBlock], damping: float) -> tuple[list[KFACBlock], list[State]]:
+        """Decompose the factors assigned to this rank and share them within each layer's column.
+
+        Returns the candidate states of the layers this rank is a gradient worker
+        of (adopted by the caller after a finiteness check). A side that could not
+        be computed (no factors yet, LAPACK failure) travels as NaNs, so every
+        gradient worker rejects the same candidates.
+        """
+        dtype = self.config.inv_torch_dtype
+        sides: dict[tuple[str, str], State] = {}
+        for b in blocks:
+            placement = self.plan.layers[b.name]
+            do_a, do_g = self.rank == placement.a_worker, self.rank == placement.g_worker
+            if not (do_a or do_g):
+                continue
+            a = b.a.value if do_a else None
+            g = b.g.value if do_g else None
+            if (do_a and a is None) or (do_g and g is None):
+                a_side = g_side = None
+            else:
+                a_side, g_side = self.method.compute(a, g, damping, dtype)
+            if do_a:
+                sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b.adapter.a_dim, b)
+            if do_g:
+                sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b.adapter.g_dim, b)
+        if self.world > 1 and self.plan.n > 1:
+            self._share_decompositions(blocks, sides)
+        chosen = [b for b in blocks if self.is_grad_worker(b)]
+        return chosen, [sides[(b.name, "A")] + sides[(b.name, "G")] for b in chosen]
+
+    def _nan_side(self, dim: int, block: KFACBlock) -> State:
+        device = block.adapter.module.weight.device
+        dtype = self.config.inv_torch_dtype
+        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in self.method.side_shapes(dim))
+
+    def _share_decompositions(self, blocks: Sequence[KFACBlock], sides: dict[tuple[str, str], State]) -> None:
+        """Broadcast each side from its decomposing rank to the rest of the layer's column."""
+        column = self.rank // self.plan.n
+        group = self.groups.columns[column]
+        tensors, srcs = [], []
+        for b in blocks:
+            placement = self.plan.layers[b.name]
+            if placement.column != column:
+                continue
+            for side, dim in (("A", b.adapter.a_dim), ("G", b.adapter.g_dim)):
+                key = (b.name, side)
+                if key not in sides:
+                    device = b.adapter.module.weight.device
+                    sides[key] = tuple(
+                        torch.empty(s, dtype=self.config.inv_torch_dtype, device=device)
+                        for s in self.method.side_shapes(dim)
+                    )
+                src = self._worker_global(b, side)
+                tensors.extend(sides[key])
+                srcs.extend([src] * len(sides[key]))
+        broadcast_(tensors, srcs, [group] * len(tensors), self.bucket_bytes)
+
+    # --------------------------------------------------- preconditioned grads
+    def share_preconditioned(
+        self, blocks: Sequence[KFACBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Give every rank every layer's result: gradient workers broadcast theirs along rows
+        (in the gradient's dtype). With every rank a gradient worker nothing moves."""
+        if self.plan.replicated or self.world == 1:
+            return [r.to(g.dtype) for r, g in zip(results, grads)]
+        row_group = self.groups.rows[self.plan.row(self.rank)]
+        tensors, srcs = [], []
+        for b, r, g in zip(blocks, results, grads):
+            tensors.append(r.to(g.dtype) if r is not None else torch.empty_like(g))
+            srcs.append(self.groups.to_global(self.plan.sender_to(b.name, self.rank)))
+        broadcast_(tensors, srcs, [row_group] * len(tensors), self.bucket_bytes)
+        return tensors
+
+    # ------------------------------------------------------------- checkpoint
+    def gather_state(self, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Whole per-layer state from the ranks holding its pieces: ``A`` from its
+        worker, ``G`` from its worker, the decomposition from the layer's ``A`` worker."""
+        if self.world == 1:
+            return local
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, _to_cpu(local), group=self.group)
+        merged = {}
+        for name, placement in self.plan.layers.items():
+            merged[name] = {
+                "A": everyone[placement.a_worker][name]["A"],
+                "G": everyone[placement.g_worker][name]["G"],
+                "state": everyone[placement.a_worker][name]["state"],
+            }
+        return merged
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

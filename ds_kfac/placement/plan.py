@@ -1,0 +1,136 @@
+"""Who does what: the per-layer placement of K-FAC work over data-parallel ranks.
+
+A plan is computed once from layer shapes, identically on every rank (no
+communication), and never changes. It follows KAISA's layout:
+
+* ``n = grad_worker_fraction * world`` *gradient workers* per layer
+  (``comm-opt``: ``n = world``; ``mem-opt``: ``n = 1``; ``hybrid-opt``: ``n = world/2``).
+  Ranks form ``world/n`` contiguous *columns* ``[k*n, ..., k*n + n-1]``; every
+  layer belongs to one column, whose ranks hold its decompositions and
+  precondition its gradient.
+* The ``n`` *rows* ``[j, j+n, j+2n, ...]`` hold one rank of every column: the
+  preconditioned gradient of a layer travels along rows, from the layer's
+  worker in that row to the rest of it.
+* Layers go to columns, and within a column each factor's decomposition to one
+  rank, by greedy longest-processing-time on cost ``dim^3`` (``compute``) or
+  ``dim^2`` (``memory``). ``A`` and ``G`` of a layer may land on different ranks,
+  except with ``compute_method="inverse"`` (whose damping couples them) and
+  ``factor_reduction="local"`` (one owner computes both), where they share one.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from ..config import KFACConfigError
+
+PRESET_FRACTIONS = {"comm-opt": 1.0, "hybrid-opt": 0.5}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    a_dim: int
+    g_dim: int
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Ranks (within the data-parallel group) doing one layer's work."""
+
+    a_worker: int
+    g_worker: int
+    column: int
+    grad_workers: tuple[int, ...]
+
+
+def workers_per_layer(fraction: Union[str, float], world: int) -> int:
+    """``n``, the number of gradient workers per layer, checked to divide ``world``."""
+    if fraction == "mem-opt":
+        return 1
+    value = PRESET_FRACTIONS.get(fraction, fraction) if isinstance(fraction, str) else fraction
+    n = value * world
+    if world == 1:
+        return 1
+    if abs(n - round(n)) > 1e-9 or round(n) < 1 or world % round(n):
+        allowed = [f"{d}/{world}" for d in range(1, world + 1) if world % d == 0]
+        raise KFACConfigError(
+            f"kfac.grad_worker_fraction={fraction!r} with {world} data-parallel ranks gives {n:g} gradient "
+            f"workers per layer; it must be a whole number dividing {world} (allowed fractions: {', '.join(allowed)})"
+        )
+    return round(n)
+
+
+def lpt(costs: Sequence[float], bins: int, initial: Sequence[float] = ()) -> tuple[list[int], list[float]]:
+    """Greedy longest-processing-time: each item, largest first (ties: lower index), to the
+    least-loaded bin (ties: lower bin). Returns the bin of each item and the bin loads."""
+    loads = list(initial) or [0.0] * bins
+    heap = [(load, b) for b, load in enumerate(loads)]
+    heapq.heapify(heap)
+    assignment = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, b = heapq.heappop(heap)
+        assignment[i] = b
+        loads[b] = load + costs[i]
+        heapq.heappush(heap, (loads[b], b))
+    return assignment, loads
+
+
+class PlacementPlan:
+    """The placement of every layer; see the module docstring."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerShape],
+        world: int,
+        grad_worker_fraction: Union[str, float] = "comm-opt",
+        assignment: str = "compute",
+        colocate: bool = False,
+    ) -> None:
+        self.world = world
+        self.n = workers_per_layer(grad_worker_fraction, world)
+        self.columns = world // self.n
+        power = 3 if assignment == "compute" else 2
+        a_cost = [float(s.a_dim) ** power for s in layers]
+        g_cost = [float(s.g_dim) ** power for s in layers]
+        column_of, _ = lpt([a + g for a, g in zip(a_cost, g_cost)], self.columns)
+        self.rank_loads = [0.0] * world
+        self.layers: dict[str, LayerPlacement] = {}
+        for k in range(self.columns):
+            members = list(range(k * self.n, (k + 1) * self.n))
+            mine = [i for i, c in enumerate(column_of) if c == k]
+            if colocate:
+                items = [a_cost[i] + g_cost[i] for i in mine]
+            else:
+                items = [c for i in mine for c in (a_cost[i], g_cost[i])]
+            where, loads = lpt(items, self.n)
+            for m, load in zip(members, loads):
+                self.rank_loads[m] = load
+            for j, i in enumerate(mine):
+                a, g = (where[j], where[j]) if colocate else (where[2 * j], where[2 * j + 1])
+                self.layers[layers[i].name] = LayerPlacement(members[a], members[g], k, tuple(members))
+
+    def is_grad_worker(self, name: str, rank: int) -> bool:
+        return self.layers[name].column == rank // self.n
+
+    def row(self, rank: int) -> int:
+        return rank % self.n
+
+    def row_members(self, row: int) -> list[int]:
+        return list(range(row, self.world, self.n))
+
+    def sender_to(self, name: str, rank: int) -> int:
+        """The gradient worker of layer ``name`` in ``rank``'s row (it broadcasts P(g) along the row)."""
+        return self.layers[name].column * self.n + self.row(rank)
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank is a gradient worker of every layer (``comm-opt``)."""
+        return self.n == self.world
+
+    def makespan_ratio(self) -> float:
+        """max / mean of the decomposition cost assigned to each rank (1.0 is perfect balance)."""
+        mean = sum(self.rank_loads) / len(self.rank_loads)
+        return max(self.rank_loads) / mean if mean > 0 else 1.0

@@ -1,0 +1,247 @@
+"""Placement modes: the plan (determinism, balance) and distributed runs at world sizes 1, 2 and 4.
+
+Distributed runs use standalone K-FAC under DDP (``workers/ddp_worker.py``, torchrun, gloo)
+and are compared with single-process references on the concatenated global batch.
+"""
+
+from __future__ import annotations
+
+import launch
+import pytest
+import torch
+from workers import problem
+
+from ds_kfac import KFACConfigError, KFACPreconditioner
+from ds_kfac.placement import LayerShape, PlacementPlan, lpt, workers_per_layer
+
+pytestmark = pytest.mark.timeout(420)
+
+KFAC = {"kl_clip": 0.01, "damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
+STEPS, PER_RANK = 4, 2
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- plans
+def resnet50_layers() -> list[LayerShape]:
+    """The Conv2d/Linear factor sizes of ResNet-50 (no conv biases; fc with bias)."""
+    layers = [LayerShape("conv1", 3 * 7 * 7, 64)]
+    cin = 64
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+        for b in range(blocks):
+            name = f"layer{stage + 1}.{b}"
+            layers += [
+                LayerShape(f"{name}.conv1", cin, width),
+                LayerShape(f"{name}.conv2", width * 9, width),
+                LayerShape(f"{name}.conv3", width, 4 * width),
+            ]
+            if b == 0:
+                layers.append(LayerShape(f"{name}.downsample", cin, 4 * width))
+            cin = 4 * width
+    return layers + [LayerShape("fc", 2048 + 1, 1000)]
+
+
+def bert_large_layers() -> list[LayerShape]:
+    layers = []
+    for i in range(24):
+        p = f"encoder.layer.{i}"
+        layers += [LayerShape(f"{p}.attention.{m}", 1025, 1024) for m in ("query", "key", "value", "output")]
+        layers += [LayerShape(f"{p}.intermediate", 1025, 4096), LayerShape(f"{p}.output", 4097, 1024)]
+    return layers + [LayerShape("pooler", 1025, 1024)]
+
+
+@pytest.mark.parametrize("layers", [resnet50_layers, bert_large_layers], ids=["resnet50", "bert-large"])
+@pytest.mark.parametrize("assignment", ["compute", "memory"])
+@pytest.mark.parametrize("world,fraction", [(8, "comm-opt"), (16, "comm-opt"), (16, 0.25), (64, "mem-opt")])
+def test_plan_is_deterministic_and_balanced(layers, assignment: str, world: int, fraction) -> None:
+    shapes = layers()
+    plan = PlacementPlan(shapes, world, fraction, assignment)
+    again = PlacementPlan(list(shapes), world, fraction, assignment)
+    assert plan.layers == again.layers and plan.rank_loads == again.rank_loads
+    power = 3 if assignment == "compute" else 2
+    items = [float(d) ** power for s in shapes for d in (s.a_dim, s.g_dim)]
+    mean = sum(items) / world
+    # Greedy LPT is within 4/3 of the optimum, which is at least max(largest item, mean load).
+    assert max(plan.rank_loads) <= 4 / 3 * max(max(items), mean) * (1 + 1e-9)
+    print(f"\n{layers.__name__} world {world} {fraction} {assignment}: makespan max/mean {plan.makespan_ratio():.3f}")
+    for p in plan.layers.values():
+        assert p.a_worker in p.grad_workers and p.g_worker in p.grad_workers
+        assert len(p.grad_workers) == plan.n
+
+
+def test_bert_plan_is_nearly_perfectly_balanced() -> None:
+    plan = PlacementPlan(bert_large_layers(), 8, "comm-opt", "compute")
+    assert plan.makespan_ratio() < 1.02
+
+
+def test_lpt_assigns_largest_first_to_least_loaded() -> None:
+    assignment, loads = lpt([5, 4, 3, 3, 3], 2)
+    assert assignment == [0, 1, 1, 0, 1] and loads == [8.0, 10.0]
+
+
+def test_fraction_must_give_whole_worker_count() -> None:
+    assert [workers_per_layer(f, 4) for f in ("comm-opt", "hybrid-opt", "mem-opt", 0.25, 0.5, 1.0)] == [
+        4,
+        2,
+        1,
+        1,
+        2,
+        4,
+    ]
+    with pytest.raises(KFACConfigError, match=r"grad_worker_fraction=0.3 with 4 .*1.2 gradient workers.*1/4, 2/4, 4/4"):
+        workers_per_layer(0.3, 4)
+    with pytest.raises(KFACConfigError, match="hybrid-opt"):
+        workers_per_layer("hybrid-opt", 3)
+
+
+# ------------------------------------------------------------------ distributed runs
+def reference(
+    world: int, steps: int = STEPS, owners: dict[str, int] | None = None, **keys
+) -> tuple[list[torch.Tensor], KFACPreconditioner]:
+    """Parameters after each step of a single process on the global batch.
+
+    With ``owners`` (``local``): each layer's factors come only from its owner's rows,
+    gathered by one backward pass per rank-sized slice with only that rank's layers collecting.
+    """
+    model = problem.make_model()
+    opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
+    config = {**KFAC, **keys}
+    kfac = KFACPreconditioner(model, optimizer=opt, accumulation_steps=world if owners else 1, **config)
+    current = {"rank": 0}
+    if owners:
+        kfac.distributor.collects = lambda block: owners[block.name] == current["rank"]
+    history = []
+    for step in range(steps):
+        x, y = problem.global_batch(step, PER_RANK * world)
+        opt.zero_grad()
+        if owners:
+            for r in range(world):
+                current["rank"] = r
+                rows = slice(r * PER_RANK, (r + 1) * PER_RANK)
+                (problem.loss_fn(model(x[rows]), y[rows]) / world).backward()
+        else:
+            problem.loss_fn(model(x), y).backward()
+        kfac.step()
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    return history, kfac
+
+
+def fractions(world: int) -> list[float]:
+    return [d / world for d in range(1, world + 1) if world % d == 0]
+
+
+def scenarios(world: int) -> dict[str, dict]:
+    runs = {
+        f"fraction{f:g}-{reduction}": {"kfac": {**KFAC, "grad_worker_fraction": f, "factor_reduction": reduction}}
+        for f in fractions(world)
+        for reduction in ("allreduce", "reduce")
+    }
+    runs["mem-opt-local"] = {"kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "factor_reduction": "local"}}
+    runs["comm-opt-local"] = {"kfac": {**KFAC, "factor_reduction": "local"}}
+    runs["comm-opt-reduce-symmetric"] = {"kfac": {**KFAC, "factor_reduction": "reduce", "symmetric_comm": True}}
+    runs["mem-opt-inverse"] = {"kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "compute_method": "inverse"}}
+    runs["uniform-comm-opt-allreduce"] = {"kfac": KFAC, "model": "uniform"}
+    runs["uniform-mem-opt-reduce"] = {
+        "kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"},
+        "model": "uniform",
+    }
+    for run in runs.values():
+        run.update(steps=STEPS, per_rank=PER_RANK)
+    return runs
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
+def world_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
+    world = request.param
+    runs = scenarios(world)
+    results = launch.torchrun(world, tmp_path_factory.mktemp(f"world{world}"), list(runs.values()))
+    return world, dict(zip(runs, results))
+
+
+def test_every_mode_matches_single_process_and_ranks_agree_every_step(world_runs) -> None:
+    world, runs = world_runs
+    for name, results in runs.items():
+        if name.startswith("uniform") or "local" in name:
+            continue
+        expected, _ = reference(world, **scenarios(world)[name]["kfac"])
+        for step in range(STEPS):
+            for r in range(1, world):
+                assert torch.equal(results[0]["params"][step], results[r]["params"][step]), (name, step, r)
+            torch.testing.assert_close(
+                results[0]["params"][step], expected[step], **FP32_TOL, msg=f"{name} step {step}"
+            )
+
+
+@pytest.mark.parametrize("mode", ["mem-opt-local", "comm-opt-local"])
+def test_local_factors_come_from_the_owner_only(world_runs, mode: str) -> None:
+    world, runs = world_runs
+    results = runs[mode]
+    owners = {name: placement[0] for name, placement in results[0]["layers"].items()}
+    expected, _ = reference(world, owners=owners, **scenarios(world)[mode]["kfac"])
+    for step in range(STEPS):
+        for r in range(1, world):
+            assert torch.equal(results[0]["params"][step], results[r]["params"][step])
+        torch.testing.assert_close(results[0]["params"][step], expected[step], **FP32_TOL)
+
+
+def test_mem_opt_reduce_holds_one_world_th_of_comm_opt(world_runs) -> None:
+    world, runs = world_runs
+    full = runs["uniform-comm-opt-allreduce"]
+    lean = runs["uniform-mem-opt-reduce"]
+    for r in range(world):
+        total_full = full[r]["memory"]["factors"] + full[r]["memory"]["decompositions"]
+        total_lean = lean[r]["memory"]["factors"] + lean[r]["memory"]["decompositions"]
+        assert total_lean / total_full == pytest.approx(1 / world, rel=1e-9)
+
+
+def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -> dict[str, int]:
+    """Documented payload bytes per step, summed over ranks (broadcasts counted at their source)."""
+    keys = {**KFAC, **scenario["kfac"]}
+    shapes = results[0]["shapes"]
+    layers = results[0]["layers"]
+    n = len(next(iter(layers.values()))[2])
+    reduction, symmetric = keys.get("factor_reduction", "allreduce"), keys.get("symmetric_comm", False)
+    floats = sum((d * (d + 1) // 2 if symmetric else d * d) for a, g in shapes.values() for d in (a, g))
+    eigen = keys.get("compute_method", "eigen") == "eigen"
+    side = (lambda d: d * d + d) if eigen else (lambda d: d * d)
+    out = {"all_reduce": 0, "reduce": 0, "broadcast": 0}
+    if world == 1:
+        return out
+    out["all_reduce"] = world * 4 * len(shapes)  # presence flags
+    if reduction == "allreduce":
+        out["all_reduce"] += world * 4 * floats
+    elif reduction == "reduce":
+        out["reduce"] = world * 4 * floats
+    if n < world:
+        out["all_reduce"] += world * 4  # the KL-clip sum
+        out["broadcast"] += n * sum(4 * a * g for a, g in shapes.values())  # P(g) along rows
+    if n > 1 and step % keys["inv_update_steps"] == 0:
+        out["broadcast"] += sum(4 * side(d) for a, g in shapes.values() for d in (a, g))
+    return out
+
+
+def test_bytes_on_the_wire_match_the_formula(world_runs) -> None:
+    world, runs = world_runs
+    for name, results in runs.items():
+        scenario = scenarios(world)[name]
+        for step in range(STEPS):
+            got = {k: sum(r["comm"][step][k] for r in results) for k in ("all_reduce", "reduce", "broadcast")}
+            assert got == expected_bytes(world, scenario, results, step), (name, step)
+
+
+def test_state_dict_is_whole_and_the_same_on_every_rank(world_runs) -> None:
+    """Saved state does not depend on where pieces lived: every rank gathers every layer,
+    identical across ranks and equal to the single-process factors."""
+    world, runs = world_runs
+    name = f"fraction{1 / world:g}-reduce"
+    _, kfac = reference(world, **scenarios(world)[name]["kfac"])
+    results = runs[name]
+    for layer, entry in results[0]["kfac"]["layers"].items():
+        block = next(b for b in kfac.blocks if b.name == layer)
+        torch.testing.assert_close(entry["A"], block.a.value, **FP32_TOL)
+        torch.testing.assert_close(entry["G"], block.g.value, **FP32_TOL)
+        for r in results[1:]:
+            other = r["kfac"]["layers"][layer]
+            assert torch.equal(entry["A"], other["A"]) and all(
+                torch.equal(x, y) for x, y in zip(entry["state"], other["state"])
+            )
