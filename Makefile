@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo demo-digits demo-resnet test venv clean
 
 venv: $(STAMP)
 
@@ -17,10 +17,18 @@ $(STAMP): requirements-dev.txt setup.py
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
-# The main job on its embedded default (no download): K-FAC vs SGD on scikit-learn's digits,
-# then the DeepSpeed ResNet example on 2 CPU ranks, baseline and K-FAC configs.
+# The main job on its embedded default (no download): BERT phase-1 pretraining on 2 CPU ranks,
+# LAMB and LAMB+K-FAC, compared in runs/demo/summary.txt and runs/demo/loss.png.
+BERT := $(VENV)/bin/deepspeed --num_gpus 2 examples/bert/pretrain.py --output-dir runs/demo
 demo: $(STAMP)
+	$(BERT) --deepspeed_config configs/bert_cpu_phase1_lamb.json
+	$(BERT) --deepspeed_config configs/bert_cpu_phase1_kfac.json
+
+# The other examples: a CNN on scikit-learn's digits (standalone K-FAC) and ResNet with DeepSpeed.
+demo-digits: $(STAMP)
 	$(PY) examples/digits/train.py
+
+demo-resnet: $(STAMP)
 	$(VENV)/bin/deepspeed --num_gpus 2 examples/resnet/train.py --deepspeed_config configs/resnet_sgd_cpu.json
 	$(VENV)/bin/deepspeed --num_gpus 2 examples/resnet/train.py --deepspeed_config configs/resnet_kfac_cpu.json
 

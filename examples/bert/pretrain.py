@@ -1,0 +1,262 @@
+"""BERT pretraining (masked LM + next-sentence prediction) with DeepSpeed, LAMB and K-FAC.
+
+Launch as any DeepSpeed script; the config file says everything about the phase::
+
+    deepspeed --num_gpus 2 examples/bert/pretrain.py --deepspeed_config configs/bert_cpu_phase1_kfac.json
+    deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase1_kfac.json \\
+        --text-dir /data/wikibooks --tokenizer /data/bert-large-uncased-tokenizer --output-dir runs/phase1
+    deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase2_kfac.json \\
+        --text-dir /data/wikibooks --tokenizer /data/bert-large-uncased-tokenizer --output-dir runs/phase2 \\
+        --init-checkpoint runs/phase1/bert_large_phase1_kfac/checkpoints
+
+Besides DeepSpeed's keys, the config has a ``"bert"`` section (read here, not
+passed to DeepSpeed): ``model`` (a ``transformers.BertConfig`` JSON),
+``max_seq_length``, ``max_steps``, ``warmup_proportion``, ``poly_power``,
+``eval_every``, ``save_every``. The learning rate follows NVIDIA's recipe:
+linear warm-up, then ``(1 - progress) ** poly_power`` decay.
+
+Data: ``--text-dir`` (plain-text files), ``--hf-dataset`` (a ``datasets``
+dataset saved with ``save_to_disk``), or by default a corpus built from the
+docstrings of Python's standard library with a WordPiece vocabulary trained on
+it (cached), so the script runs offline. Documents are split into training and
+held-out sets; the held-out set is never trained on.
+
+Each run writes ``<output-dir>/<run-name>/``: ``metrics.csv`` (every step),
+``checkpoints/`` (DeepSpeed checkpoints with K-FAC state), and refreshes
+``<output-dir>/summary.txt`` and ``<output-dir>/loss.png`` with every run found
+there. ``--resume`` continues an interrupted run exactly (data order, masks and
+dropout are functions of the step); ``--init-checkpoint`` starts phase 2 from
+phase 1's weights with a fresh optimizer and fresh K-FAC state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+from transformers import BertConfig, BertForPreTraining, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).parent))
+import data  # noqa: E402
+import report  # noqa: E402
+
+import ds_kfac  # noqa: E402
+
+BERT_DEFAULTS = {
+    "model": "configs/bert/bert-tiny.json",
+    "max_seq_length": 128,
+    "max_steps": 100,
+    "warmup_proportion": 0.1,
+    "poly_power": 0.5,
+    "eval_every": 25,
+    "save_every": 0,
+}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text-dir", type=Path, help="directory of plain-text files (default: embedded corpus)")
+    parser.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained); default: train one")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a tokenizer")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/bert"))
+    parser.add_argument("--run-name", help="default: the config file's name")
+    parser.add_argument("--max-steps", type=int, help="override bert.max_steps")
+    parser.add_argument("--init-checkpoint", type=Path, help="start from these weights (phase 2 from phase 1)")
+    parser.add_argument("--resume", action="store_true", help="continue this run from its latest checkpoint")
+    parser.add_argument(
+        "--stop-after", type=int, help="save a checkpoint and exit after this many steps (a job's time limit)"
+    )
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--held-out-fraction", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    ds_kfac.add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.deepspeed_config is None:
+        parser.error("--deepspeed_config is required")
+    return args
+
+
+def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
+    """NVIDIA's BERT schedule: linear warm-up, then polynomial decay to 0 at ``max_steps``."""
+    warmup = max(1, int(warmup_proportion * max_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, 1.0 - (step - warmup) / max(1, max_steps - warmup)) ** power
+
+    return factor
+
+
+def load_tokenizer(args: argparse.Namespace, train_docs: list[data.Document], cache: Path) -> PreTrainedTokenizerFast:
+    """The given tokenizer, or one trained on the training documents (rank 0 trains and caches; others load)."""
+    if args.tokenizer is not None:
+        return PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
+    if dist.get_rank() == 0:
+        tokenizer = data.train_tokenizer(train_docs, args.vocab_size, cache_dir=cache)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        tokenizer = data.train_tokenizer(train_docs, args.vocab_size, cache_dir=cache)
+    return tokenizer
+
+
+@torch.no_grad()
+def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+    """Held-out masked-LM loss and accuracy over the masked tokens (every rank, same batches)."""
+    engine.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for batch in batches:
+        out = engine(**{k: v.to(engine.device) for k, v in batch.items() if k != "next_sentence_label"})
+        labels = batch["labels"].to(engine.device)
+        chosen = labels != data.IGNORE_INDEX
+        logits = out.prediction_logits.float()[chosen]
+        loss_sum += torch.nn.functional.cross_entropy(logits, labels[chosen], reduction="sum").item()
+        correct += (logits.argmax(-1) == labels[chosen]).sum().item()
+        count += chosen.sum().item()
+    engine.train()
+    return loss_sum / max(1, count), correct / max(1, count)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    config = json.loads(Path(args.deepspeed_config).read_text())
+    bert = {**BERT_DEFAULTS, **config.pop("bert", {})}
+    if args.max_steps is not None:
+        bert["max_steps"] = args.max_steps
+    run_name = args.run_name or Path(args.deepspeed_config).stem
+    run_dir = args.output_dir / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    documents = data.load_corpus(args.text_dir, args.hf_dataset, args.text_column)
+    train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.seed)
+    tokenizer = load_tokenizer(args, train_docs, args.output_dir / "tokenizer-cache")
+    seq = bert["max_seq_length"]
+    train_set = data.PretrainingDataset(
+        data.build_examples(train_docs, tokenizer, seq, seed=args.seed), tokenizer, seed=args.seed
+    )
+    held_set = data.PretrainingDataset(
+        data.build_examples(held_docs, tokenizer, seq, seed=args.seed + 1), tokenizer, seed=args.seed + 1
+    )
+
+    model_config = json.loads(
+        (ROOT / bert["model"] if not Path(bert["model"]).is_absolute() else Path(bert["model"])).read_text()
+    )
+    model_config.update(
+        vocab_size=len(tokenizer), max_position_embeddings=max(model_config.get("max_position_embeddings", 512), seq)
+    )
+    torch.manual_seed(args.seed)
+    model = BertForPreTraining(BertConfig(**model_config))
+    max_steps = bert["max_steps"]
+    schedule = poly_warmup(max_steps, bert["warmup_proportion"], bert["poly_power"])
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
+    decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
+    engine, _, _, _ = ds_kfac.initialize(
+        model=model,
+        model_parameters=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule),
+        config=config,
+    )
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    global_batch = micro * accum * world
+
+    start_step = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(str(run_dir / "checkpoints"))
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        start_step = client["step"]
+    elif args.init_checkpoint is not None:
+        path, _ = engine.load_checkpoint(str(args.init_checkpoint), load_module_only=True)
+        if path is None:
+            raise FileNotFoundError(f"--init-checkpoint: no checkpoint in {args.init_checkpoint}")
+
+    pad = tokenizer.pad_token_id
+    held_batches = [
+        data.collate([held_set[i] for i in range(j, min(j + micro, len(held_set)))], pad)
+        for j in range(0, min(len(held_set), args.eval_batches * micro), micro)
+    ]
+    writer = report.MetricsWriter(run_dir / "metrics.csv", start_step) if rank == 0 else None
+    kfac = getattr(engine, "kfac", None)
+    if rank == 0:
+        print(
+            f"BERT {model_config['num_hidden_layers']}x{model_config['hidden_size']} vocab {len(tokenizer)}, seq {seq}: "
+            f"{len(train_set)} training / {len(held_set)} held-out pairs; {world} ranks x {micro} x {accum} accumulation "
+            f"= batch {global_batch}; steps {start_step}..{max_steps}; K-FAC: {len(kfac.blocks) if kfac else 0} layers",
+            flush=True,
+        )
+
+    steps_per_epoch = len(train_set) // global_batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_set)} training pairs cannot fill one global batch of {global_batch}")
+    previous_seconds = (
+        float(report.read_metrics(run_dir / "metrics.csv")[-1]["seconds"]) if start_step and rank == 0 else 0.0
+    )
+    started = time.perf_counter()
+    bar = tqdm(range(start_step, max_steps), disable=rank != 0, initial=start_step, total=max_steps, dynamic_ncols=True)
+    for step in bar:
+        epoch, position = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed * 7919 + epoch))
+        train_set.set_epoch(epoch)
+        rows = order[position * global_batch : (position + 1) * global_batch].view(accum, world, micro)[:, rank]
+        torch.manual_seed(args.seed * 1_000_003 + step * world + rank)  # dropout: a function of the step
+        total = 0.0
+        for m in range(accum):
+            batch = data.collate([train_set[int(i)] for i in rows[m]], pad)
+            loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / accum
+        lr = engine.get_lr()[0]
+        seconds = previous_seconds + time.perf_counter() - started
+        row: dict[str, object] = {
+            "step": step + 1,
+            "samples": (step + 1) * global_batch,
+            "seconds": f"{seconds:.3f}",
+            "loss": f"{total:.6f}",
+            "lr": f"{lr:.6g}",
+        }
+        last = step + 1 == max_steps
+        interrupted = args.stop_after is not None and step + 1 - start_step == args.stop_after and not last
+        if (bert["eval_every"] and (step + 1) % bert["eval_every"] == 0) or last:
+            mlm_loss, mlm_acc = evaluate(engine, held_batches)
+            row.update(held_out_mlm_loss=f"{mlm_loss:.6f}", held_out_mlm_accuracy=f"{mlm_acc:.6f}")
+        if writer is not None:
+            writer.write(row)
+            bar.set_postfix(
+                loss=f"{total:.3f}",
+                lr=f"{lr:.2e}",
+                samples_per_s=f"{(step + 1 - start_step) * global_batch / (time.perf_counter() - started):.1f}",
+            )
+        if (bert["save_every"] and (step + 1) % bert["save_every"] == 0) or last or interrupted:
+            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step + 1}", client_state={"step": step + 1})
+        if interrupted:
+            break
+    bar.close()
+
+    if rank == 0:
+        (args.output_dir / "summary.txt").write_text(report.summary_table(args.output_dir) + "\n")
+        print(report.summary_table(args.output_dir))
+        print(f"plot: {report.plot(args.output_dir)}")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""BERT pretraining data: corpus readers, WordPiece tokenizer and its cache, document split, NSP pairs, MLM masking."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(300)
+transformers = pytest.importorskip("transformers")  # The BERT example's own requirements, with tokenizers.
+pytest.importorskip("tokenizers")
+
+_spec = importlib.util.spec_from_file_location("bert_data", Path(__file__).parents[1] / "examples/bert/data.py")
+data = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(data)
+
+BATCH_KEYS = {"input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label"}
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[list[str]]:
+    return data.embedded_corpus()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return data.train_tokenizer(corpus)
+
+
+@pytest.fixture(scope="module")
+def examples(corpus, tokenizer) -> list:
+    return data.build_examples(corpus, tokenizer, max_seq_length=128, seed=0)
+
+
+def _contains(haystack: list[int], needle: list[int]) -> bool:
+    return any(haystack[k : k + len(needle)] == needle for k in range(len(haystack) - len(needle) + 1))
+
+
+# --------------------------------------------------------------------------- corpora
+
+
+def test_embedded_corpus_is_deterministic_prose(corpus) -> None:
+    assert data.embedded_corpus() == corpus
+    sentences = [s for doc in corpus for s in doc]
+    size_mb = sum(len(s.encode()) for s in sentences) / 1e6
+    print(f"\nembedded corpus: {len(corpus)} documents, {len(sentences)} sentences, {size_mb:.2f} MB")
+    assert len(corpus) > 1000 and size_mb > 0.3
+    assert all(len(doc) >= 2 for doc in corpus)
+    assert not any(s.startswith((">>>", "...")) or s != " ".join(s.split()) for s in sentences)
+
+
+def test_embedded_corpus_ignores_rebound_hooks(corpus, monkeypatch) -> None:
+    import sys
+    import threading
+
+    def hook(*args: object) -> None:
+        """A replacement hook. It has two sentences."""
+
+    for module, name in [(sys, "excepthook"), (sys, "unraisablehook"), (threading, "excepthook")]:
+        monkeypatch.setattr(module, name, hook)
+    assert data.embedded_corpus() == corpus
+
+
+def test_split_sentences() -> None:
+    assert data.split_sentences("One here.  Two, e.g. this?   Three!  four") == [
+        "One here.",
+        "Two, e.g. this?",
+        "Three!",
+        "four",
+    ]
+
+
+def test_read_text_dir(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("First of b.\nSecond of b. Third of b.\n\n\n  \nAnother doc.\n")
+    (tmp_path / "a.txt").write_text("\nOnly doc of a.\nIts second line.")
+    (tmp_path / "notes.md").write_text("Not a text file.\n")
+    assert data.read_text_dir(tmp_path) == [
+        ["Only doc of a.", "Its second line."],
+        ["First of b.", "Second of b.", "Third of b."],
+        ["Another doc."],
+    ]
+    assert data.load_corpus(text_dir=tmp_path) == data.read_text_dir(str(tmp_path))
+
+
+def test_read_text_dir_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.read_text_dir(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match=r"no \.txt files"):
+        data.read_text_dir(tmp_path)
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    with pytest.raises(ValueError, match="hold no text"):
+        data.read_text_dir(tmp_path)
+
+
+def test_read_hf_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    rows = {"id": [0, 1, 2], "text": ["One. Two.", "", "Three? Four!\nA line\n\nFive."]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "plain"))
+    expected = [["One.", "Two."], ["Three?", "Four!", "A line", "Five."]]
+    assert data.read_hf_dataset(tmp_path / "plain") == expected
+    assert data.load_corpus(hf_dataset=tmp_path / "plain") == expected
+
+    splits = {"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict({"text": ["Held."]})}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dict"))
+    assert data.read_hf_dataset(tmp_path / "dict") == expected
+
+    datasets.DatasetDict({"validation": splits["test"]}).save_to_disk(str(tmp_path / "no_train"))
+    with pytest.raises(ValueError, match=r"no 'train' split \(splits: \['validation'\]\)"):
+        data.read_hf_dataset(tmp_path / "no_train")
+    with pytest.raises(ValueError, match=r"no column 'body' \(columns: \['id', 'text'\]\)"):
+        data.read_hf_dataset(tmp_path / "plain", text_column="body")
+
+
+def test_load_corpus_sources(tmp_path: Path, corpus) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        data.load_corpus(text_dir=tmp_path, hf_dataset=tmp_path)
+    assert data.load_corpus() == corpus
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trip(corpus, tokenizer) -> None:
+    assert [tokenizer.convert_ids_to_tokens(i) for i in range(5)] == data.SPECIAL_TOKENS
+    assert sorted(tokenizer.all_special_ids) == [0, 1, 2, 3, 4]
+    ascii_sentences = [s for doc in corpus for s in doc if s.isascii() and max(map(len, s.split())) < 40]
+    sample = ascii_sentences[::20]
+    assert len(sample) > 200
+    # Words of letters and digits, with at most trailing , . ? or !, decode to exactly the lowercased text.
+    plain = [s for s in sample if all(re.fullmatch(r"[A-Za-z0-9]+[,.?!]?", word) for word in s.split())]
+    assert len(plain) > 50
+    for text in sample:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
+        assert tokenizer.unk_token_id not in ids, text
+        decoded = tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(decoded.split()) == "".join(text.lower().split()), text
+        if text in plain:
+            assert decoded == " ".join(text.lower().split())
+    pair = tokenizer("First part.", "Second part.")
+    first_sep = pair["input_ids"].index(tokenizer.sep_token_id)
+    assert pair["token_type_ids"] == [0] * (first_sep + 1) + [1] * (len(pair["input_ids"]) - first_sep - 1)
+
+
+def test_tokenizer_training_is_deterministic(corpus) -> None:
+    # Guards the workaround for huggingface/tokenizers#1794 (vocabularies that differ from run to run).
+    subset = corpus[: len(corpus) // 4]
+    vocabs = [data.train_tokenizer(subset, vocab_size=2000).get_vocab() for _ in range(3)]
+    assert len(vocabs[0]) == 2000 and vocabs[0] == vocabs[1] == vocabs[2]
+
+
+def test_tokenizer_cache(tmp_path: Path, corpus, monkeypatch) -> None:
+    subset = corpus[:300]
+    first = data.train_tokenizer(subset, vocab_size=600, cache_dir=tmp_path)
+    (cached,) = tmp_path.iterdir()
+    mtime = cached.stat().st_mtime_ns
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("retrained although the tokenizer is cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "_train_wordpiece", no_training)
+        second = data.train_tokenizer(subset, vocab_size=600, cache_dir=tmp_path)
+    assert second.get_vocab() == first.get_vocab()
+    assert second("Return the value.")["input_ids"] == first("Return the value.")["input_ids"]
+    assert cached.stat().st_mtime_ns == mtime and list(tmp_path.iterdir()) == [cached]
+    # Another vocabulary size or corpus is another cache entry.
+    data.train_tokenizer(subset, vocab_size=500, cache_dir=tmp_path)
+    data.train_tokenizer(subset[:-1], vocab_size=600, cache_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+# --------------------------------------------------------------------------- held-out split
+
+
+def test_split_documents_by_document() -> None:
+    documents = [[f"Document {i} opens.", f"Document {i} closes."] for i in range(500)]
+    train, held = data.split_documents(documents, held_out_fraction=0.02, seed=0)
+    assert len(held) == 10 and len(train) == 490
+    assert not {d[0] for d in train} & {d[0] for d in held}
+    assert sorted(train + held) == sorted(documents)
+    assert train == sorted(train, key=documents.index) and held == sorted(held, key=documents.index)
+    assert data.split_documents(documents, 0.02, seed=0) == (train, held)
+    assert data.split_documents(documents, 0.02, seed=1)[1] != held
+    assert len(data.split_documents(documents[:3], 0.02)[1]) == 1
+    with pytest.raises(ValueError, match="held_out_fraction"):
+        data.split_documents(documents, 1.0)
+
+
+# --------------------------------------------------------------------------- NSP pairs and masking
+
+
+def test_nsp_pairs(corpus, tokenizer, examples) -> None:
+    random_next = [e for e in examples if e.next_sentence_label == 1]
+    fraction = len(random_next) / len(examples)
+    print(f"\n{len(examples)} examples, is_random_next fraction {fraction:.4f}")
+    assert abs(fraction - 0.5) < 0.03
+
+    cache: dict[tuple[int, int, int], list[int]] = {}
+
+    def span_tokens(span: tuple[int, int, int]) -> list[int]:
+        if span not in cache:
+            doc, start, end = span
+            cache[span] = [
+                t for s in corpus[doc][start:end] for t in tokenizer(s, add_special_tokens=False)["input_ids"]
+            ]
+        return cache[span]
+
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    for e in examples:
+        ids = e.input_ids
+        sep = ids.index(sep_id)
+        tokens_a, tokens_b = ids[1:sep], ids[sep + 1 : -1]
+        assert len(ids) <= 128 and ids[0] == cls_id and ids[-1] == sep_id and tokens_a and tokens_b
+        assert e.token_type_ids == [0] * (sep + 1) + [1] * (len(ids) - sep - 1)
+        assert e.special_mask == [int(i in (0, sep, len(ids) - 1)) for i in range(len(ids))]
+        # Truncation only trims the ends of a segment: each is a contiguous run of its source sentences.
+        assert _contains(span_tokens(e.a_span), tokens_a) and _contains(span_tokens(e.b_span), tokens_b)
+        if e.next_sentence_label:
+            assert e.b_span[0] != e.a_span[0]
+        else:
+            assert e.b_span[0] == e.a_span[0] and e.b_span[1] == e.a_span[2]
+    assert data.build_examples(corpus, tokenizer, seed=0) == examples
+    assert data.build_examples(corpus, tokenizer, seed=1) != examples
+    with pytest.raises(ValueError, match="at least two documents"):
+        data.build_examples(corpus[:1], tokenizer)
+
+
+def test_masking_rates(tokenizer, examples) -> None:
+    dataset = data.PretrainingDataset(examples, tokenizer, seed=0)
+    special_ids = set(tokenizer.all_special_ids)
+    candidates = chosen = masked = replaced = kept = 0
+    for index, example in enumerate(examples):
+        item = dataset[index]
+        assert item["token_type_ids"] == example.token_type_ids
+        for pos, (original, special) in enumerate(zip(example.input_ids, example.special_mask)):
+            new, label = item["input_ids"][pos], item["labels"][pos]
+            if special:
+                assert label == -100 and new == original
+                continue
+            candidates += 1
+            if label == -100:
+                assert new == original
+                continue
+            assert label == original
+            chosen += 1
+            if new == tokenizer.mask_token_id:
+                masked += 1
+            elif new != original:
+                assert new not in special_ids
+                replaced += 1
+            else:
+                kept += 1
+    print(
+        f"\n{candidates} maskable tokens: chosen {chosen / candidates:.4f}; of chosen [MASK] {masked / chosen:.4f}, "
+        f"random {replaced / chosen:.4f}, unchanged {kept / chosen:.4f}"
+    )
+    # ~250k maskable tokens, ~37k chosen: one standard error is below 0.001 for the chosen rate and
+    # 0.002 for the 80/10/10 split (a random draw equal to the original counts as unchanged: p ~ 1e-4).
+    assert abs(chosen / candidates - 0.15) < 0.01
+    assert abs(masked / chosen - 0.8) < 0.02
+    assert abs(replaced / chosen - 0.1) < 0.02
+    assert abs(kept / chosen - 0.1) < 0.02
+
+
+def test_dynamic_masking_is_deterministic(tokenizer, examples) -> None:
+    first = data.PretrainingDataset(examples[:50], tokenizer, seed=0)
+    again = data.PretrainingDataset(examples[:50], tokenizer, seed=0)
+    assert [first[i] for i in reversed(range(50))][::-1] == [again[i] for i in range(50)]
+    other_seed = data.PretrainingDataset(examples[:50], tokenizer, seed=1)
+    assert [other_seed[i]["labels"] for i in range(50)] != [first[i]["labels"] for i in range(50)]
+    before = [first[i]["labels"] for i in range(50)]
+    first.set_epoch(1)
+    assert [first[i]["labels"] for i in range(50)] != before
+
+
+# --------------------------------------------------------------------------- batches and the model
+
+
+def test_collate_feeds_bert_for_pretraining(tokenizer, examples) -> None:
+    forward_kwargs = set(inspect.signature(transformers.BertForPreTraining.forward).parameters)
+    assert BATCH_KEYS <= forward_kwargs
+
+    dataset = data.PretrainingDataset(examples, tokenizer, seed=0)
+    by_length = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    indices = by_length[:: len(by_length) // 7][:8]  # Lengths from shortest to longest: padding needed.
+    items = [dataset[i] for i in indices]
+    lengths = torch.tensor([len(item["input_ids"]) for item in items])
+    assert lengths.min() < lengths.max()
+    batch = data.collate(items, pad_token_id=tokenizer.pad_token_id)
+
+    assert set(batch) == BATCH_KEYS
+    assert all(value.dtype == torch.long for value in batch.values())
+    size, length = len(items), int(lengths.max())
+    for key in BATCH_KEYS - {"next_sentence_label"}:
+        assert batch[key].shape == (size, length), key
+    assert batch["next_sentence_label"].shape == (size,)
+    padding = torch.arange(length)[None, :] >= lengths[:, None]
+    assert torch.equal(batch["attention_mask"], (~padding).long())
+    assert (batch["labels"][padding] == -100).all() and (batch["input_ids"][padding] == tokenizer.pad_token_id).all()
+    assert (batch["token_type_ids"][padding] == 0).all()
+    for row, item in enumerate(items):
+        assert batch["input_ids"][row, : lengths[row]].tolist() == item["input_ids"]
+        assert batch["labels"][row, : lengths[row]].tolist() == item["labels"]
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    model = transformers.BertForPreTraining(config)
+    output = model(**batch)
+    assert output.loss.ndim == 0 and math.isfinite(output.loss.item())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=data.collate)
+    assert math.isfinite(model(**next(iter(loader))).loss.item())

@@ -1,0 +1,67 @@
+"""The BERT pretraining example through its real entry point (deepspeed launcher, 2 CPU ranks, K-FAC on)."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import launch
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+pytest.importorskip("transformers")
+ROOT = Path(__file__).parents[1]
+
+
+def pretrain(config: str, out: Path, *extra: str) -> None:
+    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
+    script = [str(ROOT / "examples/bert/pretrain.py"), "--deepspeed_config", str(ROOT / "configs" / config)]
+    launch.run([cmd + script + ["--output-dir", str(out), *extra]], timeout=300)
+
+
+def metrics(out: Path, run: str) -> list[dict[str, str]]:
+    with (out / run / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_phase1_then_phase2_from_its_checkpoint(tmp_path: Path) -> None:
+    pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "30")
+    phase1 = metrics(tmp_path, "bert_cpu_phase1_kfac")
+    assert [int(r["step"]) for r in phase1] == list(range(1, 31))
+    assert all(math.isfinite(float(r["loss"])) for r in phase1)
+    assert (tmp_path / "bert_cpu_phase1_kfac/checkpoints/step30").is_dir()
+    held = [float(r["held_out_mlm_loss"]) for r in phase1 if r["held_out_mlm_loss"]]
+    assert len(held) == 2 and held[-1] < held[0]
+
+    ckpt = str(tmp_path / "bert_cpu_phase1_kfac/checkpoints")
+    pretrain(
+        "bert_cpu_phase2_kfac.json",
+        tmp_path,
+        "--max-steps",
+        "2",
+        "--init-checkpoint",
+        ckpt,
+        "--run-name",
+        "from_phase1",
+    )
+    pretrain("bert_cpu_phase2_kfac.json", tmp_path, "--max-steps", "2", "--run-name", "from_scratch")
+    first = {run: float(metrics(tmp_path, run)[0]["loss"]) for run in ("from_phase1", "from_scratch")}
+    # Phase 2 starts where phase 1 ended (its last training loss), well below a fresh model.
+    assert first["from_phase1"] < first["from_scratch"] - 0.2, first
+    assert abs(first["from_phase1"] - float(phase1[-1]["loss"])) < 0.15, (first, phase1[-1]["loss"])
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert "from_phase1" in (tmp_path / "summary.txt").read_text()
+
+
+def test_resume_continues_with_identical_losses(tmp_path: Path) -> None:
+    pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "straight")
+    pretrain(
+        "bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "interrupted", "--stop-after", "5"
+    )
+    assert len(metrics(tmp_path, "interrupted")) == 5
+    pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "interrupted", "--resume")
+    straight, resumed = metrics(tmp_path, "straight"), metrics(tmp_path, "interrupted")
+    assert [r["step"] for r in resumed] == [str(s) for s in range(1, 9)]
+    for key in ("loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
