@@ -33,7 +33,7 @@ from torch import nn
 
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
-from .curvature import METHODS, KFACBlock, all_finite
+from .curvature import METHODS, AdaptiveRefresh, KFACBlock, all_finite
 from .layers import SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout
 
@@ -49,6 +49,7 @@ class Snapshot:
     counters: dict[str, int]
     nonfinite_factors: Optional[torch.Tensor]
     last_nu: Optional[torch.Tensor]
+    refresh: Optional[dict]
 
 
 STATE_VERSION = 1
@@ -117,6 +118,9 @@ class KFACPreconditioner:
             for name, adapter in layers
         ]
         self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes)
+        adaptive = self.config.inv_update_steps == "adaptive"
+        keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
+        self.refresh = AdaptiveRefresh(keys, self.config.adaptive_threshold) if adaptive else None
         self.steps = 0
         self.last_nu: Optional[torch.Tensor] = None
         self.counters: dict[str, int] = defaultdict(int)
@@ -205,9 +209,22 @@ class KFACPreconditioner:
         if self._collecting:
             with self._timed("factors"):
                 self._update_factors(resolve(self.config.factor_decay, s))
-        if s % resolve(self.config.inv_update_steps, s) == 0:
+        damping = resolve(self.config.damping, s)
+        if self.refresh is not None:
+            due = [key for key in self.refresh.due(s) if key[0] in self._seen]
+            if due:
+                with self._timed("decompose"):
+                    intervals = self.distributor.agree_intervals(due, self.refresh.decide)
+                    self._update_decompositions(damping, set(due))
+                    for (name, side), interval in zip(due, intervals):
+                        block = next(b for b in self.blocks if b.name == name)
+                        held = self.distributor.holds(name, side)
+                        self.refresh.refreshed(
+                            (name, side), s, interval, (block.a if side == "A" else block.g).value if held else None
+                        )
+        elif s % resolve(self.config.inv_update_steps, s) == 0:
             with self._timed("decompose"):
-                self._update_decompositions(resolve(self.config.damping, s))
+                self._update_decompositions(damping)
 
     def finish_step(self) -> None:
         """Advance the step counter and arm the hooks for the next step."""
@@ -255,8 +272,9 @@ class KFACPreconditioner:
         self._seen.update(b.name for b in ready)
         return ready
 
-    def _update_decompositions(self, damping: float) -> None:
-        chosen, states = self.distributor.decompose([b for b in self.blocks if b.name in self._seen], damping)
+    def _update_decompositions(self, damping: float, due: Optional[set[tuple[str, str]]] = None) -> None:
+        seen = [b for b in self.blocks if b.name in self._seen]
+        chosen, states = self.distributor.decompose(seen, damping, due)
         candidates = list(zip(chosen, states))
         if not candidates:
             return
@@ -294,6 +312,7 @@ class KFACPreconditioner:
             counters=dict(self.counters),
             nonfinite_factors=self._nonfinite_factors,
             last_nu=self.last_nu,
+            refresh=self.refresh.snapshot() if self.refresh is not None else None,
         )
 
     def restore(self, snap: "Snapshot") -> None:
@@ -305,6 +324,8 @@ class KFACPreconditioner:
         self.counters = defaultdict(int, snap.counters)
         self._nonfinite_factors = snap.nonfinite_factors
         self.last_nu = snap.last_nu
+        if self.refresh is not None:
+            self.refresh.restore(snap.refresh)
         self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
 
     @contextmanager
@@ -352,6 +373,7 @@ class KFACPreconditioner:
             "steps": self.steps,
             "compute_method": self.config.compute_method,
             "counters": dict(self.counters),
+            "refresh": self.refresh.state_dict() if self.refresh is not None else None,
             "layers": {
                 name: {"shape": (b.adapter.a_dim, b.adapter.g_dim), **entry}
                 for (name, entry), b in zip(self.distributor.gather_state(self._local_state()).items(), self.blocks)
@@ -359,10 +381,14 @@ class KFACPreconditioner:
         }
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
-        return {
+        state = {
             b.name: {"A": b.a.value, "G": b.g.value, "state": None if b.state is None else list(b.state)}
             for b in self.blocks
         }
+        if self.refresh is not None:
+            for (name, side), f in self.refresh.factors.items():
+                state[name][f"{side}_refs"] = [f.last, f.before_last]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a mismatch (other model, layers, method) raises naming what differs."""
@@ -398,6 +424,19 @@ class KFACPreconditioner:
             b.a.discard_step()
             b.g.discard_step()
         self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
+        if (self.refresh is None) != (state.get("refresh") is None):
+            raise ValueError(
+                f"K-FAC state was saved with inv_update_steps {'adaptive' if state.get('refresh') else 'fixed'}, "
+                f"this run uses {self.config.inv_update_steps!r}"
+            )
+        if self.refresh is not None:
+            self.refresh.load_state_dict(state["refresh"])
+            for (name, side), f in self.refresh.factors.items():
+                refs = state["layers"][name].get(f"{side}_refs") if self.distributor.holds(name, side) else None
+                device = self._device
+                f.last, f.before_last = (
+                    (None, None) if refs is None else (None if t is None else t.to(device) for t in refs)
+                )
         self.steps = state["steps"]
         self.counters = defaultdict(int, state["counters"])
         self._nonfinite_factors = None

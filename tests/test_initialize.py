@@ -83,7 +83,12 @@ def test_setups_and_checkpoints_through_real_engines(tmp_path: Path) -> None:
     scenarios = [{"ds": ds, "steps": 1, "expect_error": True} for ds, _ in REFUSED.values()] + [
         {"ds": {**lamb, "zero_optimization": {"stage": 2}}, "steps": 2},
         {"ds": {"kfac": {"enabled": False}}, "steps": 2, "save": {"dir": ckpt_plain, "at": 2}},
-        {"ds": monitor, "kfac": {"skip_layers": ["^4$"]}, "steps": 2, "save": {"dir": ckpt_kfac, "at": 2}},
+        {
+            "ds": monitor,
+            "kfac": {"skip_layers": ["^4$"], "inv_update_steps": "adaptive"},
+            "steps": 2,
+            "save": {"dir": ckpt_kfac, "at": 2},
+        },
         {"steps": 3, "load": ckpt_plain, "expect_error": True},
         {"steps": 3, "load": ckpt_kfac, "expect_error": True},
     ]
@@ -98,5 +103,7 @@ def test_setups_and_checkpoints_through_real_engines(tmp_path: Path) -> None:
     assert nu_rows[0] == "step,nu" and len(nu_rows) == 3
     assert all(0.0 < float(row.split(",")[1]) <= 1.0 for row in nu_rows[1:])
     assert monitored["kfac"]["steps"] == 2
+    intervals = (tmp_path / "csv" / "job" / "kfac_interval_0.A.csv").read_text().splitlines()
+    assert intervals == ["step,0.A", "4,1.0", "8,1.0"]  # DeepSpeed logs at global_samples (4 per step)
     assert "has no K-FAC state" in no_state["error"] and "load_optimizer_states=False" in no_state["error"]
     assert "missing from the checkpoint ['4']" in mismatch["error"]

@@ -147,10 +147,11 @@ def test_bf16_model_keeps_fp32_factors() -> None:
     assert torch.isfinite(model[0].weight.grad.float()).all()
 
 
-def test_state_dict_round_trip_is_bitwise() -> None:
+@pytest.mark.parametrize("inv_update_steps", [2, "adaptive"])
+def test_state_dict_round_trip_is_bitwise(inv_update_steps) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    data = [torch.randn(6, 4) for _ in range(6)]
+    data = [torch.randn(6, 4) for _ in range(10)]
 
     def run(kfac: KFACPreconditioner, m: nn.Module, opt: torch.optim.Optimizer, batches) -> None:
         for x in batches:
@@ -161,20 +162,20 @@ def test_state_dict_round_trip_is_bitwise() -> None:
 
     m1 = copy.deepcopy(model)
     o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
-    k1 = KFACPreconditioner(m1, optimizer=o1, inv_update_steps=2, factor_update_steps=1)
+    k1 = KFACPreconditioner(m1, optimizer=o1, inv_update_steps=inv_update_steps, factor_update_steps=1)
     run(k1, m1, o1, data)
 
     m2 = copy.deepcopy(model)
     o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
-    k2 = KFACPreconditioner(m2, optimizer=o2, inv_update_steps=2, factor_update_steps=1)
-    run(k2, m2, o2, data[:3])
+    k2 = KFACPreconditioner(m2, optimizer=o2, inv_update_steps=inv_update_steps, factor_update_steps=1)
+    run(k2, m2, o2, data[:5])
     saved = copy.deepcopy((k2.state_dict(), m2.state_dict()))
     m3 = copy.deepcopy(model)
     o3 = torch.optim.SGD(m3.parameters(), lr=0.1)
-    k3 = KFACPreconditioner(m3, optimizer=o3, inv_update_steps=2, factor_update_steps=1)
+    k3 = KFACPreconditioner(m3, optimizer=o3, inv_update_steps=inv_update_steps, factor_update_steps=1)
     k3.load_state_dict(saved[0])
     m3.load_state_dict(saved[1])
-    run(k3, m3, o3, data[3:])
+    run(k3, m3, o3, data[5:])
     for p1, p3 in zip(m1.parameters(), m3.parameters()):
         assert torch.equal(p1, p3)
 

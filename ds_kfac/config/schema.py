@@ -25,7 +25,7 @@ class KFACConfigError(ValueError):
     """A bad ``kfac`` configuration: the message names each key, value and what is allowed."""
 
 
-def _schedule(kind: type, low: float, high: float, low_open: bool, allowed: str) -> Any:
+def _schedule(kind: type, low: float, high: float, low_open: bool, allowed: str, words: tuple[str, ...] = ()) -> Any:
     """An annotated type for a hyperparameter that is a constant or a schedule.
 
     Constants and JSON schedules (dicts) are checked against the range; a
@@ -55,16 +55,18 @@ def _schedule(kind: type, low: float, high: float, low_open: bool, allowed: str)
             if bad:
                 raise ValueError(f"schedule values {bad} are out of range: each must be {allowed}")
             return PiecewiseSchedule(sched.milestones, tuple(kind(x) for x in sched.values))
-        if isinstance(v, PiecewiseSchedule) or (callable(v) and not isinstance(v, type)):
+        if isinstance(v, PiecewiseSchedule) or (callable(v) and not isinstance(v, type)) or v in words:
             return v
         if not in_range(v):
-            raise ValueError(f"must be {allowed}, a schedule dict, or (in Python) a callable of the step")
+            alternatives = "".join(f", {w!r}" for w in words)
+            raise ValueError(f"must be {allowed}{alternatives}, a schedule dict, or (in Python) a callable of the step")
         return kind(v)
 
     return Annotated[Any, BeforeValidator(check)]
 
 
 IntSchedule = _schedule(int, 1, math.inf, low_open=False, allowed="an integer >= 1")
+RefreshSchedule = _schedule(int, 1, math.inf, low_open=False, allowed="an integer >= 1", words=("adaptive",))
 PositiveSchedule = _schedule(float, 0.0, math.inf, low_open=True, allowed="a number > 0")
 DecaySchedule = _schedule(float, 0.0, 1.0, low_open=False, allowed="a number in [0, 1)")
 
@@ -76,7 +78,8 @@ class KFACConfig(BaseModel):
 
     enabled: bool = True
     factor_update_steps: IntSchedule = 1
-    inv_update_steps: IntSchedule = 10
+    inv_update_steps: RefreshSchedule = 10
+    adaptive_threshold: float = 0.1
     damping: PositiveSchedule = 0.001
     factor_decay: DecaySchedule = 0.95
     kl_clip: Optional[PositiveSchedule] = 0.001
@@ -105,6 +108,13 @@ class KFACConfig(BaseModel):
                 re.compile(pattern)
             except re.error as err:
                 raise ValueError(f"{pattern!r} is not a valid regular expression ({err})") from None
+        return v
+
+    @field_validator("adaptive_threshold")
+    @classmethod
+    def _positive_threshold(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("must be a number > 0")
         return v
 
     @field_validator("max_factor_dim")

@@ -3,9 +3,11 @@
 from .block import KFACBlock
 from .decomposition import METHODS, Decomposition, EigenDecomposition, InverseDecomposition, all_finite
 from .factors import KroneckerFactor
+from .refresh import AdaptiveRefresh
 
 __all__ = [
     "METHODS",
+    "AdaptiveRefresh",
     "Decomposition",
     "EigenDecomposition",
     "InverseDecomposition",

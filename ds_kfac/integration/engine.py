@@ -100,6 +100,8 @@ class KFACEngine(DeepSpeedEngine):
         events += [(f"kfac/count/{name}", float(n), step) for name, n in kfac.counters.items()]
         if kfac.last_nu is not None:
             events.append(("kfac/nu", float(kfac.last_nu), step))
+        if kfac.refresh is not None:
+            events += [(f"kfac/interval/{key}", float(n), step) for key, n in kfac.refresh.intervals().items()]
         self.monitor.write_events(events)
 
     # ------------------------------------------------------------ checkpoints

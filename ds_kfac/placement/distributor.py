@@ -12,7 +12,7 @@ result along rows to the others.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..comm import (
     RankGroups,
     all_reduce_mean_,
+    all_reduce_sum_,
     broadcast_,
     data_parallel_world,
     pack_symmetric,
@@ -31,6 +32,8 @@ from ..curvature import Decomposition, KFACBlock, KroneckerFactor
 from ..curvature.decomposition import State
 from ..curvature.factors import compute_dtype
 from .plan import LayerShape, PlacementPlan
+
+Key = tuple[str, str]  # (layer name, "A" or "G")
 
 
 class Distributor:
@@ -54,6 +57,7 @@ class Distributor:
         self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate)
         self.groups = RankGroups(self.plan.n, group) if self.world > 1 else None
         self.rank = self.groups.rank if self.groups else 0
+        self._blocks = {b.name: b for b in blocks}
 
     # ----------------------------------------------------------------- roles
     def collects(self, block: KFACBlock) -> bool:
@@ -112,19 +116,26 @@ class Distributor:
         return value.to(compute_dtype(factor.dtype))
 
     # --------------------------------------------------------- decompositions
-    def decompose(self, blocks: Sequence[KFACBlock], damping: float) -> tuple[list[KFACBlock], list[State]]:
+    def decompose(
+        self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
+    ) -> tuple[list[KFACBlock], list[State]]:
         """Decompose the factors assigned to this rank and share them within each layer's column.
 
-        Returns the candidate states of the layers this rank is a gradient worker
-        of (adopted by the caller after a finiteness check). A side that could not
-        be computed (no factors yet, LAPACK failure) travels as NaNs, so every
+        ``due`` limits the work to those (layer, side) pairs (adaptive refresh);
+        a layer without a decomposition yet, or whose method decomposes both sides
+        together, refreshes both. Returns the candidate states of the layers this
+        rank is a gradient worker of, the sides not refreshed taken from the current
+        state (the caller adopts them after a finiteness check). A side that could
+        not be computed (no factors yet, LAPACK failure) travels as NaNs, so every
         gradient worker rejects the same candidates.
         """
         dtype = self.config.inv_torch_dtype
-        sides: dict[tuple[str, str], State] = {}
+        needed = {b.name: self._sides_to_refresh(b, due) for b in blocks}
+        sides: dict[Key, State] = {}
         for b in blocks:
             placement = self.plan.layers[b.name]
-            do_a, do_g = self.rank == placement.a_worker, self.rank == placement.g_worker
+            do_a = "A" in needed[b.name] and self.rank == placement.a_worker
+            do_g = "G" in needed[b.name] and self.rank == placement.g_worker
             if not (do_a or do_g):
                 continue
             a = b.a.value if do_a else None
@@ -138,16 +149,55 @@ class Distributor:
             if do_g:
                 sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b.adapter.g_dim, b)
         if self.world > 1 and self.plan.n > 1:
-            self._share_decompositions(blocks, sides)
-        chosen = [b for b in blocks if self.is_grad_worker(b)]
-        return chosen, [sides[(b.name, "A")] + sides[(b.name, "G")] for b in chosen]
+            self._share_decompositions(blocks, sides, needed)
+        chosen, states = [], []
+        for b in blocks:
+            if not (needed[b.name] and self.is_grad_worker(b)):
+                continue
+            split = len(self.method.side_shapes(1))
+            old_a, old_g = (b.state[:split], b.state[split:]) if b.state is not None else (None, None)
+            chosen.append(b)
+            states.append(sides.get((b.name, "A"), old_a) + sides.get((b.name, "G"), old_g))
+        return chosen, states
+
+    def _sides_to_refresh(self, block: KFACBlock, due: Optional[set[Key]]) -> set[str]:
+        """Which sides of a layer to decompose now. ``block.state is None`` is the same on all
+        of the layer's gradient workers (they adopt identical candidates), so they agree."""
+        if due is None:
+            return {"A", "G"}
+        wanted = {side for side in ("A", "G") if (block.name, side) in due}
+        if wanted and (self.method.colocated or (self.is_grad_worker(block) and block.state is None)):
+            return {"A", "G"}
+        return wanted
+
+    def agree_intervals(self, due: Sequence[Key], decide: Callable[[Key, torch.Tensor], int]) -> list[int]:
+        """Adaptive refresh: the rank holding each due factor decides its next interval; one
+        all-reduce gives every rank the same decisions."""
+        mine = []
+        for name, side in due:
+            block = self._blocks[name]
+            factor = block.a if side == "A" else block.g
+            placement = self.plan.layers[name]
+            worker = placement.a_worker if side == "A" else placement.g_worker
+            mine.append(decide((name, side), factor.value) if self.rank == worker and factor.value is not None else 0)
+        agreed = torch.tensor(mine, dtype=torch.int64, device=_device(self._blocks))
+        if self.world > 1 and due:
+            all_reduce_sum_([agreed], self.group, self.bucket_bytes)
+        return [max(1, int(v)) for v in agreed.tolist()]
+
+    def holds(self, name: str, side: str) -> bool:
+        """Whether this rank decomposes factor ``side`` of layer ``name`` (and so tracks its refresh)."""
+        placement = self.plan.layers[name]
+        return self.rank == (placement.a_worker if side == "A" else placement.g_worker)
 
     def _nan_side(self, dim: int, block: KFACBlock) -> State:
         device = block.adapter.module.weight.device
         dtype = self.config.inv_torch_dtype
         return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in self.method.side_shapes(dim))
 
-    def _share_decompositions(self, blocks: Sequence[KFACBlock], sides: dict[tuple[str, str], State]) -> None:
+    def _share_decompositions(
+        self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
+    ) -> None:
         """Broadcast each side from its decomposing rank to the rest of the layer's column."""
         column = self.rank // self.plan.n
         group = self.groups.columns[column]
@@ -157,6 +207,8 @@ class Distributor:
             if placement.column != column:
                 continue
             for side, dim in (("A", b.adapter.a_dim), ("G", b.adapter.g_dim)):
+                if side not in needed[b.name]:
+                    continue
                 key = (b.name, side)
                 if key not in sides:
                     device = b.adapter.module.weight.device
@@ -187,20 +239,23 @@ class Distributor:
 
     # ------------------------------------------------------------- checkpoint
     def gather_state(self, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """Whole per-layer state from the ranks holding its pieces: ``A`` from its
-        worker, ``G`` from its worker, the decomposition from the layer's ``A`` worker."""
+        """Whole per-layer state from the ranks holding its pieces: ``A`` (and its adaptive-refresh
+        references) from its worker, ``G`` likewise, the decomposition from the layer's ``A`` worker."""
         if self.world == 1:
             return local
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, _to_cpu(local), group=self.group)
         merged = {}
         for name, placement in self.plan.layers.items():
-            merged[name] = {
-                "A": everyone[placement.a_worker][name]["A"],
-                "G": everyone[placement.g_worker][name]["G"],
-                "state": everyone[placement.a_worker][name]["state"],
-            }
+            a_entry, g_entry = everyone[placement.a_worker][name], everyone[placement.g_worker][name]
+            merged[name] = {"A": a_entry["A"], "G": g_entry["G"], "state": a_entry["state"]}
+            if "A_refs" in a_entry:
+                merged[name].update(A_refs=a_entry["A_refs"], G_refs=g_entry["G_refs"])
         return merged
+
+
+def _device(blocks: dict[str, KFACBlock]) -> torch.device:
+    return next(iter(blocks.values())).adapter.module.weight.device if blocks else torch.device("cpu")
 
 
 def _to_cpu(obj: Any) -> Any:
