@@ -78,6 +78,9 @@ class KFACPreconditioner:
             being back-propagated (mixed precision); 1 when ``None``.
         process_group: data-parallel group over which factors are averaged
             (the default group when distributed is initialized).
+        gradient_holders: the data-parallel ranks holding each parameter's reduced
+            gradient when it is partitioned (ZeRO 1/2); with ``mem-opt`` they become
+            the layer's gradient workers. Set by :class:`ds_kfac.KFACEngine`.
         **keys: the ``"kfac"`` keys, as an alternative to ``config``.
     """
 
@@ -92,6 +95,7 @@ class KFACPreconditioner:
         loss_scale: Optional[LossScale] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        gradient_holders: Optional[dict[nn.Parameter, tuple[int, ...]]] = None,
         **keys: Any,
     ) -> None:
         if isinstance(config, KFACConfig):
@@ -117,7 +121,12 @@ class KFACPreconditioner:
             KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
             for name, adapter in layers
         ]
-        self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes)
+        holders = None
+        if gradient_holders is not None:
+            holders = {
+                b.name: tuple(sorted({r for p in b.adapter.params() for r in gradient_holders[p]})) for b in self.blocks
+            }
+        self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes, holders)
         adaptive = self.config.inv_update_steps == "adaptive"
         keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
         self.refresh = AdaptiveRefresh(keys, self.config.adaptive_threshold) if adaptive else None

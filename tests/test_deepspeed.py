@@ -61,6 +61,11 @@ ZERO_VARIANTS = {
 }
 PLACEMENT_VARIANTS = {
     "stage0_mem_opt_reduce": {"kfac": {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"}},
+    "stage1_owners_allreduce": {"ds": {"zero_optimization": {"stage": 1}}, "kfac": {"grad_worker_fraction": "mem-opt"}},
+    "stage2_owners_reduce": {
+        "ds": {"zero_optimization": {"stage": 2}},
+        "kfac": {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce", "inv_update_steps": "adaptive"},
+    },
     "stage0_hybrid_symmetric": {"kfac": {"grad_worker_fraction": 0.5, "symmetric_comm": True}},
 }
 BF16_VARIANTS = {
@@ -76,23 +81,14 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list
     scenarios = [{"ds": ds, "kfac": KFAC, "steps": STEPS} for ds in variants.values()]
     for name, extra in PLACEMENT_VARIANTS.items():
         variants[name] = {}
-        scenarios.append({"kfac": {**KFAC, **extra["kfac"]}, "steps": STEPS})
-    variants["zero2_mem_opt"] = {}  # refused
-    scenarios.append(
-        {
-            "ds": ZERO_VARIANTS["stage2"],
-            "kfac": {**KFAC, "grad_worker_fraction": "mem-opt"},
-            "steps": 1,
-            "expect_error": True,
-        }
-    )
+        scenarios.append({"ds": extra.get("ds", {}), "kfac": {**KFAC, **extra["kfac"]}, "steps": STEPS})
     return dict(zip(variants, launch.deepspeed_run(WORLD, out, scenarios)))
 
 
 @pytest.mark.parametrize("variant", list(ZERO_VARIANTS) + list(PLACEMENT_VARIANTS) + list(BF16_VARIANTS))
 def test_zero_stages_match_single_process(equivalence_runs: dict, variant: str) -> None:
     """fp32 to FP32_TOL, bf16 to BF16_TOL, of the single-process run; ranks bit-identical."""
-    expected, _ = reference(STEPS)
+    expected, _ = reference(STEPS, **PLACEMENT_VARIANTS.get(variant, {}).get("kfac", {}))
     results = equivalence_runs[variant]
     assert_ranks_identical(results)
     tolerance = BF16_TOL if variant in BF16_VARIANTS else FP32_TOL
@@ -125,9 +121,24 @@ def test_bytes_on_the_wire_match_the_formula(equivalence_runs: dict, variant: st
             assert any(rank_result["split"]), "the problem should make ZeRO split a layer across ranks"
 
 
-def test_placement_modes_other_than_comm_opt_refused_under_zero_1_2(equivalence_runs: dict) -> None:
-    for result in equivalence_runs["zero2_mem_opt"]:
-        assert "KFACConfigError" in result["error"] and "needs ZeRO stage 0" in result["error"]
+def test_zero_owners_move_only_split_layers_decompositions(equivalence_runs: dict) -> None:
+    """mem-opt under ZeRO 1: each layer's curvature lives with its partition's owner(s); only the
+    decompositions of layers ZeRO split across ranks travel (between their holders), no P(g) at all."""
+    _, kfac = reference(1)
+    results = equivalence_runs["stage1_owners_allreduce"]
+    split = results[0]["split"]
+    assert any(split) and not all(split)
+    shared = sum(4 * (d * d + d) for b, sp in zip(kfac.blocks, split) if sp for d in (b.adapter.a_dim, b.adapter.g_dim))
+    for step in range(STEPS):
+        sent = sum(r["comm"][step]["broadcast"] for r in results)
+        assert sent == (shared if step % KFAC["inv_update_steps"] == 0 else 0)
+
+
+def test_hybrid_fractions_refused_under_zero_1_2(tmp_path: Path) -> None:
+    """At 4 ranks, fraction 0.5 means 2 gradient workers per layer: neither every rank nor the owner."""
+    refused = {"ds": ZERO_VARIANTS["stage2"], "kfac": {**KFAC, "grad_worker_fraction": 0.5}, "steps": 1}
+    for result in launch.deepspeed_run(4, tmp_path, [{**refused, "expect_error": True}])[0]:
+        assert "KFACConfigError" in result["error"] and "need ZeRO stage 0" in result["error"]
 
 
 def test_loss_scale_and_overflow(tmp_path: Path) -> None:

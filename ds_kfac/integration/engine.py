@@ -10,7 +10,9 @@ patched. The user's loop stays ``engine.backward(loss); engine.step()``:
   DeepSpeed has reduced them and before DeepSpeed clips them
   (``gradient_clipping``) and runs the base optimizer; under ZeRO 1/2 each
   rank preconditions the gradient partition it owns (see
-  :mod:`ds_kfac.placement.gradients`);
+  :mod:`ds_kfac.placement.gradients`); with ``mem-opt`` only the owners of a
+  layer's partition hold its curvature, and ZeRO's parameter all-gather
+  delivers the result;
 * if DeepSpeed then skips the step (fp16/bf16 overflow), the step's K-FAC
   statistics are discarded and its curvature updates undone.
 """
@@ -20,10 +22,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..comm import all_reduce_sum_
 from ..config import KFACConfig, KFACConfigError
-from ..placement import Fragment, GradientLayout
+from ..placement import Fragment, GradientLayout, workers_per_layer
 from ..preconditioner import KFACPreconditioner
 
 CHECKPOINT_KEY = "ds_kfac"
@@ -53,6 +57,15 @@ class KFACEngine(DeepSpeedEngine):
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        stage = self.zero_optimization_stage()
+        world = self.dp_world_size
+        n = workers_per_layer(kfac_config.grad_worker_fraction, world)
+        if stage > 0 and 1 < n < world:
+            raise KFACConfigError(
+                f"kfac.grad_worker_fraction={kfac_config.grad_worker_fraction!r} cannot be used with ZeRO stage "
+                f"{stage}: under ZeRO 1/2 the gradient workers are either every rank ('comm-opt') or the ranks "
+                f"owning each layer's gradient partition ('mem-opt'); other fractions need ZeRO stage 0"
+            )
         self.kfac = KFACPreconditioner(
             self.module,
             kfac_config,
@@ -60,19 +73,24 @@ class KFACEngine(DeepSpeedEngine):
             accumulation_steps=self.gradient_accumulation_steps(),
             loss_scale=self._loss_scale,
             process_group=self.data_parallel_group,
+            gradient_holders=self._gradient_holders() if stage > 0 and n == 1 and world > 1 else None,
         )
-        if self.zero_optimization_stage() == 0:
+        if stage == 0:
             self._grad_layout = GradientLayout()
-        elif not self.kfac.distributor.plan.replicated:
-            raise KFACConfigError(
-                f"kfac.grad_worker_fraction={kfac_config.grad_worker_fraction!r} needs ZeRO stage 0: under ZeRO 1/2 "
-                f"each rank preconditions the gradient partition it owns, which needs every layer's decomposition "
-                f"on every rank (grad_worker_fraction='comm-opt')"
-            )
         else:
             self._grad_layout = GradientLayout(
                 _zero_fragment, group=self.optimizer.dp_process_group, sharded=True, grad_scale=self._loss_scale
             )
+
+    def _gradient_holders(self) -> dict[torch.nn.Parameter, tuple[int, ...]]:
+        """Which data-parallel ranks' ZeRO partitions hold each parameter (one all-reduce, at construction)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        table = torch.zeros(self.dp_world_size, len(params), dtype=torch.int32, device=self.device)
+        rank = dist.get_rank(self.data_parallel_group)
+        table[rank] = torch.tensor([getattr(p, "_hp_mapping", None) is not None for p in params], dtype=torch.int32)
+        all_reduce_sum_([table], self.data_parallel_group)
+        held = table.cpu().tolist()
+        return {p: tuple(r for r in range(self.dp_world_size) if held[r][i]) for i, p in enumerate(params)}
 
     def _loss_scale(self) -> float:
         """The scale the gradients carry: ZeRO 1/2 scale the loss in ``engine.backward`` (fp16)."""

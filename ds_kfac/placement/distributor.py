@@ -46,6 +46,7 @@ class Distributor:
         method: Decomposition,
         group: Optional[dist.ProcessGroup],
         bucket_bytes: int,
+        holders: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         self.config = config
         self.method = method
@@ -54,8 +55,8 @@ class Distributor:
         self.world = data_parallel_world(group)
         shapes = [LayerShape(b.name, b.adapter.a_dim, b.adapter.g_dim) for b in blocks]
         colocate = method.colocated or config.factor_reduction == "local"
-        self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate)
-        self.groups = RankGroups(self.plan.n, group) if self.world > 1 else None
+        self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
+        self.groups = RankGroups(self.plan.broadcast_sets(), group) if self.world > 1 else None
         self.rank = self.groups.rank if self.groups else 0
         self._blocks = {b.name: b for b in blocks}
 
@@ -148,7 +149,7 @@ class Distributor:
                 sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b.adapter.a_dim, b)
             if do_g:
                 sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b.adapter.g_dim, b)
-        if self.world > 1 and self.plan.n > 1:
+        if self.world > 1:
             self._share_decompositions(blocks, sides, needed)
         chosen, states = [], []
         for b in blocks:
@@ -198,13 +199,11 @@ class Distributor:
     def _share_decompositions(
         self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
     ) -> None:
-        """Broadcast each side from its decomposing rank to the rest of the layer's column."""
-        column = self.rank // self.plan.n
-        group = self.groups.columns[column]
-        tensors, srcs = [], []
+        """Broadcast each side from its decomposing rank to the layer's other gradient workers."""
+        tensors, srcs, groups = [], [], []
         for b in blocks:
-            placement = self.plan.layers[b.name]
-            if placement.column != column:
+            workers = self.plan.layers[b.name].grad_workers
+            if self.rank not in workers or len(workers) == 1:
                 continue
             for side, dim in (("A", b.adapter.a_dim), ("G", b.adapter.g_dim)):
                 if side not in needed[b.name]:
@@ -216,20 +215,21 @@ class Distributor:
                         torch.empty(s, dtype=self.config.inv_torch_dtype, device=device)
                         for s in self.method.side_shapes(dim)
                     )
-                src = self._worker_global(b, side)
                 tensors.extend(sides[key])
-                srcs.extend([src] * len(sides[key]))
-        broadcast_(tensors, srcs, [group] * len(tensors), self.bucket_bytes)
+                srcs.extend([self._worker_global(b, side)] * len(sides[key]))
+                groups.extend([self.groups.of(workers)] * len(sides[key]))
+        broadcast_(tensors, srcs, groups, self.bucket_bytes)
 
     # --------------------------------------------------- preconditioned grads
     def share_preconditioned(
         self, blocks: Sequence[KFACBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Give every rank every layer's result: gradient workers broadcast theirs along rows
-        (in the gradient's dtype). With every rank a gradient worker nothing moves."""
-        if self.plan.replicated or self.world == 1:
+        (in the gradient's dtype). Nothing moves when every rank is a gradient worker, or
+        under ZeRO ownership (each rank only writes the partition it holds)."""
+        if self.plan.replicated or self.plan.owners or self.world == 1:
             return [r.to(g.dtype) for r, g in zip(results, grads)]
-        row_group = self.groups.rows[self.plan.row(self.rank)]
+        row_group = self.groups.of(tuple(self.plan.row_members(self.plan.row(self.rank))))
         tensors, srcs = [], []
         for b, r, g in zip(blocks, results, grads):
             tensors.append(r.to(g.dtype) if r is not None else torch.empty_like(g))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from ..config import KFACConfigError
 
@@ -88,8 +88,13 @@ class PlacementPlan:
         grad_worker_fraction: Union[str, float] = "comm-opt",
         assignment: str = "compute",
         colocate: bool = False,
+        holders: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         self.world = world
+        self.owners = holders is not None
+        if holders is not None:
+            self._place_on_holders(layers, holders, assignment, colocate)
+            return
         self.n = workers_per_layer(grad_worker_fraction, world)
         self.columns = world // self.n
         power = 3 if assignment == "compute" else 2
@@ -112,8 +117,46 @@ class PlacementPlan:
                 a, g = (where[j], where[j]) if colocate else (where[2 * j], where[2 * j + 1])
                 self.layers[layers[i].name] = LayerPlacement(members[a], members[g], k, tuple(members))
 
+    def _place_on_holders(
+        self, layers: Sequence[LayerShape], holders: dict[str, tuple[int, ...]], assignment: str, colocate: bool
+    ) -> None:
+        """ZeRO 1/2 ownership: a layer's gradient workers are the ranks whose partitions hold its
+        gradient (one, or two or more where ZeRO split it); its decompositions go to the least
+        loaded of them, largest first. Preconditioned gradients then never move: each holder
+        writes its own partition and ZeRO's parameter all-gather delivers the update."""
+        missing = [s.name for s in layers if not holders.get(s.name)]
+        if missing:
+            raise ValueError(f"no data-parallel rank holds the gradient of K-FAC layers {missing}")
+        self.n, self.columns = 1, self.world
+        power = 3 if assignment == "compute" else 2
+        items = []  # (cost, layer index, sides)
+        for i, s in enumerate(layers):
+            if colocate:
+                items.append((float(s.a_dim) ** power + float(s.g_dim) ** power, i, "AG"))
+            else:
+                items += [(float(s.a_dim) ** power, i, "A"), (float(s.g_dim) ** power, i, "G")]
+        self.rank_loads = [0.0] * self.world
+        workers: dict[tuple[int, str], int] = {}
+        for cost, i, sides in sorted(items, key=lambda item: (-item[0], item[1], item[2])):
+            rank = min(holders[layers[i].name], key=lambda r: (self.rank_loads[r], r))
+            self.rank_loads[rank] += cost
+            for side in sides:
+                workers[(i, side)] = rank
+        self.layers = {
+            s.name: LayerPlacement(workers[(i, "A")], workers[(i, "G")], -1, tuple(sorted(holders[s.name])))
+            for i, s in enumerate(layers)
+        }
+
     def is_grad_worker(self, name: str, rank: int) -> bool:
-        return self.layers[name].column == rank // self.n
+        return rank in self.layers[name].grad_workers
+
+    def broadcast_sets(self) -> list[tuple[int, ...]]:
+        """The rank sets that exchange decompositions or gradients (each needs a process group)."""
+        if self.owners:
+            return sorted({p.grad_workers for p in self.layers.values() if len(p.grad_workers) > 1})
+        columns = [tuple(range(k * self.n, (k + 1) * self.n)) for k in range(self.columns)]
+        rows = [tuple(range(j, self.world, self.n)) for j in range(self.n)]
+        return [m for m in columns + rows if len(m) > 1]
 
     def row(self, rank: int) -> int:
         return rank % self.n
@@ -128,7 +171,7 @@ class PlacementPlan:
     @property
     def replicated(self) -> bool:
         """Every rank is a gradient worker of every layer (``comm-opt``)."""
-        return self.n == self.world
+        return not self.owners and self.n == self.world
 
     def makespan_ratio(self) -> float:
         """max / mean of the decomposition cost assigned to each rank (1.0 is perfect balance)."""
