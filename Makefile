@@ -15,6 +15,9 @@ $(STAMP): requirements-dev.txt setup.py
 	$(PY) -m pip install -q $$(grep -E '^torch==' requirements-dev.txt)
 	$(PY) -m pip install -q --no-build-isolation -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	# DeepSpeed compiles its CPU shared-memory comm op on first use (minutes on 2 cores);
+	# build it once here so no training run or test launch pays for it.
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()"
 	touch $(STAMP)
 
 # The main job on its embedded default (no download): BERT phase-1 pretraining on 2 CPU ranks,
