@@ -73,8 +73,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.hidden, device=args.device)
-    print(f"BERT-shaped stack: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x seq {args.seq}, "
-          f"{args.device}, {torch.get_num_threads()} threads, mean of {args.steps} steps\n")
+    print(
+        f"BERT-shaped stack: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x seq {args.seq}, "
+        f"{args.device}, {torch.get_num_threads()} threads, mean of {args.steps} steps\n"
+    )
     print("| setting | ms/step | overhead | factors ms | decompose ms | precondition ms | K-FAC MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     settings = {

@@ -15,7 +15,7 @@ from .preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 
-_DEEPSPEED_API = ("initialize", "add_config_arguments", "KFACEngine")
+_DEEPSPEED_API = ("initialize", "add_config_arguments", "KFACEngine", "release_deepspeed_shm")
 
 
 def __getattr__(name: str) -> Any:
@@ -40,5 +40,6 @@ __all__ = [
     "build_optimizer",
     "initialize",
     "register_adapter",
+    "release_deepspeed_shm",
     "resolve_lamb",
 ]

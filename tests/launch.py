@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from ds_kfac.integration.cleanup import SHM_DIR, SHM_PREFIX
+
 WORKERS = Path(__file__).parent / "workers"
 BIN = Path(sys.executable).parent
 
@@ -31,7 +33,20 @@ def free_port() -> int:
 
 def run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]] = None) -> list[str]:
     """Run ``cmds`` concurrently, each in a new session; return their outputs.
-    If any fails or the time runs out, every process group is killed."""
+    If any fails or the time runs out, every process group is killed. Afterwards the
+    DeepSpeed shared-memory segments of the launch's ports are removed (see
+    :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own."""
+    try:
+        return _run(cmds, timeout, env)
+    finally:
+        for cmd in cmds:
+            if "--master_port" in cmd:
+                port = cmd[cmd.index("--master_port") + 1]
+                for segment in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
+                    segment.unlink(missing_ok=True)
+
+
+def _run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]]) -> list[str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     procs = [
         subprocess.Popen(

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         print(report.summary_table(args.output_dir))
         print(f"plot: {report.plot(args.output_dir)}")
     dist.barrier()
+    ds_kfac.release_deepspeed_shm()
 
 
 if __name__ == "__main__":

@@ -192,6 +192,8 @@ def main() -> None:
                     )
                     + "\n"
                 )
+    dist.barrier()
+    ds_kfac.release_deepspeed_shm()
 
 
 if __name__ == "__main__":

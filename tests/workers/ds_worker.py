@@ -108,6 +108,7 @@ def main() -> None:
         torch.save(result, out / f"{i}_rank{dist.get_rank()}.pt")
     # An orderly gloo shutdown: without it a rank can abort at exit after a ZeRO checkpoint.
     dist.barrier()
+    ds_kfac.release_deepspeed_shm()
     dist.destroy_process_group()
 
 
