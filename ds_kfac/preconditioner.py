@@ -127,9 +127,10 @@ class KFACPreconditioner:
                 b.name: tuple(sorted({r for p in b.adapter.params() for r in gradient_holders[p]})) for b in self.blocks
             }
         self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes, holders)
+        self._by_name = {b.name: b for b in self.blocks}
+        factor_keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
         adaptive = self.config.inv_update_steps == "adaptive"
-        keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
-        self.refresh = AdaptiveRefresh(keys, self.config.adaptive_threshold) if adaptive else None
+        self.refresh = AdaptiveRefresh(factor_keys, self.config.adaptive_threshold) if adaptive else None
         self.steps = 0
         self.last_nu: Optional[torch.Tensor] = None
         self.counters: dict[str, int] = defaultdict(int)
@@ -185,23 +186,25 @@ class KFACPreconditioner:
         """Steps 2-4 of the flow for the step in progress, without advancing the step counter."""
         self.update_curvature()
         s = self.steps
-        dist_ = self.distributor
+        distributor = self.distributor
         blocks, grads, fragments = layout.gather(self.blocks)
         with self._timed("precondition"):
             damping = resolve(self.config.damping, s)
-            mine = [dist_.is_grad_worker(b) for b in blocks]
+            mine = [distributor.is_grad_worker(b) for b in blocks]
             out = [b.precondition(g, damping) if m else None for b, g, m in zip(blocks, grads, mine)]
             kl_clip = self.config.kl_clip
             if kl_clip is not None:
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
-                counted = [i for i, b in enumerate(blocks) if mine[i] and (layout.sharded or dist_.counts_in_kl_sum(b))]
+                counted = [
+                    i for i, b in enumerate(blocks) if mine[i] and (layout.sharded or distributor.counts_in_kl_sum(b))
+                ]
                 vg = layout.dot(
                     [blocks[i] for i in counted],
                     [fragments[i] for i in counted],
                     [out[i] for i in counted],
                     [grads[i] for i in counted],
                 )
-                if layout.sharded or not dist_.plan.replicated:
+                if layout.sharded or not distributor.plan.replicated:
                     vg = vg.to(torch.float32).reshape(1)
                     all_reduce_sum_([vg], self.process_group)
                     vg = vg[0]
@@ -209,7 +212,7 @@ class KFACPreconditioner:
                 nu = torch.sqrt(resolve(kl_clip, s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
                 self.last_nu = nu
                 out = [None if p is None else p.mul_(nu.to(p.dtype)) for p in out]
-            layout.write(blocks, fragments, dist_.share_preconditioned(blocks, out, grads))
+            layout.write(blocks, fragments, distributor.share_preconditioned(blocks, out, grads))
 
     @torch.no_grad()
     def update_curvature(self) -> None:
@@ -226,11 +229,9 @@ class KFACPreconditioner:
                     intervals = self.distributor.agree_intervals(due, self.refresh.decide)
                     self._update_decompositions(damping, set(due))
                     for (name, side), interval in zip(due, intervals):
-                        block = next(b for b in self.blocks if b.name == name)
+                        factor = self._by_name[name].a if side == "A" else self._by_name[name].g
                         held = self.distributor.holds(name, side)
-                        self.refresh.refreshed(
-                            (name, side), s, interval, (block.a if side == "A" else block.g).value if held else None
-                        )
+                        self.refresh.refreshed((name, side), s, interval, factor.value if held else None)
         elif s % resolve(self.config.inv_update_steps, s) == 0:
             with self._timed("decompose"):
                 self._update_decompositions(damping)
