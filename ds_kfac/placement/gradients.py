@@ -84,9 +84,11 @@ class GradientLayout:
             self._split = [not w for w in whole_here]
         return self._split
 
-    def _whole_here(self, block: KFACBlock) -> bool:
-        frags = [self.fragment_of(p) for p in block.adapter.params()]
-        return all(f is not None and f.covers(p) for f, p in zip(frags, block.adapter.params()))
+    def _whole_here(self, block: KFACBlock, frags: Optional[Sequence[Optional[Fragment]]] = None) -> bool:
+        """Whether this rank's fragments cover all of the layer's gradient."""
+        params = block.adapter.params()
+        frags = [self.fragment_of(p) for p in params] if frags is None else frags
+        return all(f is not None and f.covers(p) for f, p in zip(frags, params))
 
     def gather(
         self, blocks: Sequence[KFACBlock]
@@ -102,7 +104,7 @@ class GradientLayout:
                     continue
                 grads = assembled[block.name]
             else:
-                if not all(f is not None and f.covers(p) for f, p in zip(block_frags, block.adapter.params())):
+                if not self._whole_here(block, block_frags):
                     continue
                 grads = [f.grad.view_as(p) for f, p in zip(block_frags, block.adapter.params())]
             chosen.append(block)
