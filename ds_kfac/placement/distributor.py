@@ -7,7 +7,9 @@ Per factor-update step it reduces the factors to the ranks that keep them
 step each rank decomposes the factors assigned to it and broadcasts the result
 within the layer's column of gradient workers. Per step, gradient workers
 precondition and, when not every rank is a gradient worker, broadcast the
-result along rows to the others.
+result along rows to the others. Under ZeRO ownership (``mem-opt`` with
+partitioned gradients) a layer's gradient workers are its partition's owners,
+who write their own partitions: no preconditioned gradient moves.
 """
 
 from __future__ import annotations
@@ -68,13 +70,20 @@ class Distributor:
     def is_grad_worker(self, block: KFACBlock) -> bool:
         return self.plan.is_grad_worker(block.name, self.rank)
 
+    def worker(self, name: str, side: str) -> int:
+        """The rank that decomposes factor ``side`` ("A" or "G") of layer ``name``."""
+        placement = self.plan.layers[name]
+        return placement.a_worker if side == "A" else placement.g_worker
+
+    def holds(self, name: str, side: str) -> bool:
+        """Whether this rank decomposes factor ``side`` of layer ``name`` (and so tracks its refresh)."""
+        return self.rank == self.worker(name, side)
+
     def keeps(self, block: KFACBlock, side: str) -> bool:
-        """Whether this rank holds the running factor ``side`` ("A" or "G") of the layer."""
-        placement = self.plan.layers[block.name]
-        worker = placement.a_worker if side == "A" else placement.g_worker
+        """Whether this rank holds the running factor ``side`` of the layer."""
         if self.config.factor_reduction == "allreduce":
             return self.is_grad_worker(block)
-        return self.rank == worker
+        return self.holds(block.name, side)
 
     def counts_in_kl_sum(self, block: KFACBlock) -> bool:
         """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
@@ -104,8 +113,7 @@ class Distributor:
         return flags
 
     def _worker_global(self, block: KFACBlock, side: str) -> int:
-        placement = self.plan.layers[block.name]
-        return self.groups.to_global(placement.a_worker if side == "A" else placement.g_worker)
+        return self.groups.to_global(self.worker(block.name, side))
 
     def _to_wire(self, value: torch.Tensor) -> torch.Tensor:
         """Factors travel in ``factor_dtype``, upper triangles only with ``symmetric_comm``."""
@@ -178,18 +186,13 @@ class Distributor:
         for name, side in due:
             block = self._blocks[name]
             factor = block.a if side == "A" else block.g
-            placement = self.plan.layers[name]
-            worker = placement.a_worker if side == "A" else placement.g_worker
-            mine.append(decide((name, side), factor.value) if self.rank == worker and factor.value is not None else 0)
+            mine.append(
+                decide((name, side), factor.value) if self.holds(name, side) and factor.value is not None else 0
+            )
         agreed = torch.tensor(mine, dtype=torch.int64, device=_device(self._blocks))
         if self.world > 1 and due:
             all_reduce_sum_([agreed], self.group, self.bucket_bytes)
         return [max(1, int(v)) for v in agreed.tolist()]
-
-    def holds(self, name: str, side: str) -> bool:
-        """Whether this rank decomposes factor ``side`` of layer ``name`` (and so tracks its refresh)."""
-        placement = self.plan.layers[name]
-        return self.rank == (placement.a_worker if side == "A" else placement.g_worker)
 
     def _nan_side(self, dim: int, block: KFACBlock) -> State:
         device = block.adapter.module.weight.device
