@@ -9,14 +9,14 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch first (the pinned CPU wheel), then DeepSpeed built against it without build isolation.
+# DeepSpeed compiles its CPU shared-memory comm op on first use (minutes on 2 cores): the last
+# python line builds it once here, so no training run or test launch pays for it.
 $(STAMP): requirements-dev.txt setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $$(grep -E '^torch==' requirements-dev.txt)
 	$(PY) -m pip install -q --no-build-isolation -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
-	# DeepSpeed compiles its CPU shared-memory comm op on first use (minutes on 2 cores);
-	# build it once here so no training run or test launch pays for it.
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('ShareMemCommBuilder'); b and b.load()"
 	touch $(STAMP)
 
