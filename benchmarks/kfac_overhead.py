@@ -40,22 +40,22 @@ def time_steps(model: nn.Module, x: torch.Tensor, steps: int, kfac_keys: dict | 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     kfac = KFACPreconditioner(model, optimizer=opt, **kfac_keys) if kfac_keys is not None else None
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    for warm in range(2):  # first steps decompose and allocate
+
+    def one_step() -> None:
         opt.zero_grad()
         model(x).square().mean().backward()
         if kfac is not None:
             kfac.step()
         opt.step()
+
+    for _ in range(2):  # first steps decompose and allocate
+        one_step()
     if kfac is not None:
         kfac.timings.clear()
     sync()
     start = time.perf_counter()
     for _ in range(steps):
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        if kfac is not None:
-            kfac.step()
-        opt.step()
+        one_step()
     sync()
     seconds = (time.perf_counter() - start) / steps
     phases = {k: v / steps for k, v in kfac.timings.items()} if kfac else {}

@@ -33,7 +33,7 @@ from torch import nn
 
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
-from .curvature import METHODS, AdaptiveRefresh, KFACBlock, all_finite
+from .curvature import METHODS, AdaptiveRefresh, KFACBlock, all_finite, blocks_device
 from .layers import SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout
 
@@ -239,6 +239,10 @@ class KFACPreconditioner:
     def finish_step(self) -> None:
         """Advance the step counter and arm the hooks for the next step."""
         self.steps += 1
+        self._arm_hooks()
+
+    def _arm_hooks(self) -> None:
+        """Collect factors during the step in progress iff ``steps % factor_update_steps == 0``."""
         self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
 
     def _update_factors(self, decay: float) -> None:
@@ -253,7 +257,7 @@ class KFACPreconditioner:
         present = [b.a.pending > 0 and b.g.pending > 0 for b in self.blocks]
         world = data_parallel_world(self.process_group)
         if world > 1:
-            counts = torch.tensor(present, dtype=torch.int32, device=self._device)
+            counts = torch.tensor(present, dtype=torch.int32, device=blocks_device(self.blocks))
             all_reduce_sum_([counts], self.process_group)
             expected = 1 if self.config.factor_reduction == "local" else world
             counts = counts.tolist()
@@ -288,7 +292,7 @@ class KFACPreconditioner:
         candidates = list(zip(chosen, states))
         if not candidates:
             return
-        flags = [all_finite(state).to(self._device) for _, state in candidates]
+        flags = [all_finite(state).to(blocks_device(self.blocks)) for _, state in candidates]
         if self._nonfinite_factors is not None:
             flags.append(self._nonfinite_factors == 0)
         ok = torch.stack(flags).tolist()  # the one host sync of a decomposition step
@@ -336,7 +340,7 @@ class KFACPreconditioner:
         self.last_nu = snap.last_nu
         if self.refresh is not None:
             self.refresh.restore(snap.refresh)
-        self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
+        self._arm_hooks()
 
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
@@ -356,10 +360,6 @@ class KFACPreconditioner:
                 usage["accumulators"] += accumulator
             usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
         return usage
-
-    @property
-    def _device(self) -> torch.device:
-        return self.blocks[0].adapter.module.weight.device if self.blocks else torch.device("cpu")
 
     @property
     def layer_names(self) -> list[str]:
@@ -385,8 +385,8 @@ class KFACPreconditioner:
             "counters": dict(self.counters),
             "refresh": self.refresh.state_dict() if self.refresh is not None else None,
             "layers": {
-                name: {"shape": (b.adapter.a_dim, b.adapter.g_dim), **entry}
-                for (name, entry), b in zip(self.distributor.gather_state(self._local_state()).items(), self.blocks)
+                name: {"shape": (self._by_name[name].adapter.a_dim, self._by_name[name].adapter.g_dim), **entry}
+                for name, entry in self.distributor.gather_state(self._local_state()).items()
             },
         }
 
@@ -422,35 +422,34 @@ class KFACPreconditioner:
                     f"K-FAC layer {b.name!r}: checkpoint factors are (A, G) = {tuple(entry['shape'])}, "
                     f"this model has {(b.adapter.a_dim, b.adapter.g_dim)}"
                 )
-        for b in self.blocks:
-            entry = state["layers"][b.name]
-            device = b.adapter.module.weight.device
-            keep = self.distributor
-            a, g = (None if t is None else t.to(device) for t in (entry["A"], entry["G"]))
-            b.a.value = a if keep.keeps(b, "A") else None
-            b.g.value = g if keep.keeps(b, "G") else None
-            worker = keep.is_grad_worker(b) and entry["state"] is not None
-            b.state = tuple(t.to(device) for t in entry["state"]) if worker else None
-            b.a.discard_step()
-            b.g.discard_step()
-        self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
         if (self.refresh is None) != (state.get("refresh") is None):
             raise ValueError(
                 f"K-FAC state was saved with inv_update_steps {'adaptive' if state.get('refresh') else 'fixed'}, "
                 f"this run uses {self.config.inv_update_steps!r}"
             )
+        for b in self.blocks:
+            entry = state["layers"][b.name]
+            device = b.adapter.module.weight.device
+            a, g = (None if t is None else t.to(device) for t in (entry["A"], entry["G"]))
+            b.a.value = a if self.distributor.keeps(b, "A") else None
+            b.g.value = g if self.distributor.keeps(b, "G") else None
+            worker = self.distributor.is_grad_worker(b) and entry["state"] is not None
+            b.state = tuple(t.to(device) for t in entry["state"]) if worker else None
+            b.a.discard_step()
+            b.g.discard_step()
+        self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
         if self.refresh is not None:
             self.refresh.load_state_dict(state["refresh"])
+            device = blocks_device(self.blocks)
             for (name, side), f in self.refresh.factors.items():
                 refs = state["layers"][name].get(f"{side}_refs") if self.distributor.holds(name, side) else None
-                device = self._device
                 f.last, f.before_last = (
                     (None, None) if refs is None else (None if t is None else t.to(device) for t in refs)
                 )
         self.steps = state["steps"]
         self.counters = defaultdict(int, state["counters"])
         self._nonfinite_factors = None
-        self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
+        self._arm_hooks()
 
     def __repr__(self) -> str:
         skipped = ", ".join(s.name for s in self.skipped_layers) or "none"

@@ -1,6 +1,6 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
-from .block import KFACBlock
+from .block import KFACBlock, blocks_device
 from .decomposition import METHODS, Decomposition, EigenDecomposition, InverseDecomposition, all_finite
 from .factors import KroneckerFactor
 from .refresh import AdaptiveRefresh
@@ -14,4 +14,5 @@ __all__ = [
     "KFACBlock",
     "KroneckerFactor",
     "all_finite",
+    "blocks_device",
 ]

@@ -8,7 +8,7 @@ matrix into a preconditioned one.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -41,3 +41,9 @@ class KFACBlock:
         if self.state is None:
             return grad.to(self.inv_dtype)
         return self.method.precondition(self.state, grad, damping)
+
+
+def blocks_device(blocks: Iterable[KFACBlock]) -> torch.device:
+    """The device of the first block's layer (CPU with no blocks): where per-layer flags live."""
+    first = next(iter(blocks), None)
+    return first.adapter.module.weight.device if first is not None else torch.device("cpu")

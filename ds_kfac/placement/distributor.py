@@ -30,7 +30,7 @@ from ..comm import (
     unpack_symmetric,
 )
 from ..config import KFACConfig
-from ..curvature import Decomposition, KFACBlock, KroneckerFactor
+from ..curvature import Decomposition, KFACBlock, KroneckerFactor, blocks_device
 from ..curvature.decomposition import State
 from ..curvature.factors import compute_dtype
 from .plan import LayerShape, PlacementPlan
@@ -189,7 +189,7 @@ class Distributor:
             mine.append(
                 decide((name, side), factor.value) if self.holds(name, side) and factor.value is not None else 0
             )
-        agreed = torch.tensor(mine, dtype=torch.int64, device=_device(self._blocks))
+        agreed = torch.tensor(mine, dtype=torch.int64, device=blocks_device(self._blocks.values()))
         if self.world > 1 and due:
             all_reduce_sum_([agreed], self.group, self.bucket_bytes)
         return [max(1, int(v)) for v in agreed.tolist()]
@@ -255,10 +255,6 @@ class Distributor:
             if "A_refs" in a_entry:
                 merged[name].update(A_refs=a_entry["A_refs"], G_refs=g_entry["G_refs"])
         return merged
-
-
-def _device(blocks: dict[str, KFACBlock]) -> torch.device:
-    return next(iter(blocks.values())).adapter.module.weight.device if blocks else torch.device("cpu")
 
 
 def _to_cpu(obj: Any) -> Any:

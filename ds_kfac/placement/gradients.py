@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_reduce_sum_
-from ..curvature import KFACBlock
+from ..curvature import KFACBlock, blocks_device
 
 
 @dataclass
@@ -78,7 +78,7 @@ class GradientLayout:
         if self._split is None:
             whole_here = [self._whole_here(b) for b in blocks]
             if self.sharded:
-                holders = torch.tensor(whole_here, dtype=torch.int32, device=_device(blocks))
+                holders = torch.tensor(whole_here, dtype=torch.int32, device=blocks_device(blocks))
                 all_reduce_sum_([holders], self.group)
                 whole_here = [int(h) > 0 for h in holders.tolist()]
             self._split = [not w for w in whole_here]
@@ -147,7 +147,7 @@ class GradientLayout:
                 if f is not None:
                     held = slice(f.start, f.start + f.numel)
                     parts.append((p_param.reshape(-1)[held] * g_param.reshape(-1)[held]).sum())
-        return torch.stack(parts).sum() if parts else torch.zeros((), device=_device(blocks))
+        return torch.stack(parts).sum() if parts else torch.zeros((), device=blocks_device(blocks))
 
     def write(
         self,
@@ -160,7 +160,3 @@ class GradientLayout:
             for new, f in zip(block.adapter.matrix_to_grads(m), block_frags):
                 if f is not None:
                     f.grad.copy_(new.reshape(-1)[f.start : f.start + f.numel].to(f.grad.dtype))
-
-
-def _device(blocks: Sequence[KFACBlock]) -> torch.device:
-    return blocks[0].adapter.module.weight.device if blocks else torch.device("cpu")
