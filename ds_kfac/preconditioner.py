@@ -33,7 +33,7 @@ from torch import nn
 
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
-from .curvature import METHODS, AdaptiveRefresh, KFACBlock, all_finite, blocks_device
+from .curvature import AdaptiveRefresh, KFACBlock, all_finite, blocks_device, method_for
 from .layers import SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout
 
@@ -53,6 +53,8 @@ class Snapshot:
 
 
 STATE_VERSION = 1
+METHOD_KEYS = ("compute_method", "eigenvalue_outer_product")
+"""Config keys that decide what a decomposition holds: recorded in a checkpoint, which loads only where they match."""
 
 
 class KFACPreconditioner:
@@ -76,6 +78,10 @@ class KFACPreconditioner:
             is assumed divided by it (as DeepSpeed does), which the ``G`` scaling undoes.
         loss_scale: callable returning the loss scale current for the micro-batch
             being back-propagated (mixed precision); 1 when ``None``.
+        boundary: callable telling whether the micro-batch being back-propagated is
+            the last of the optimizer step; with it (or with ``accumulation_steps=1``)
+            each layer's factors start their reduction during that backward pass
+            (``overlap_factor_comm``), otherwise at :meth:`step`.
         process_group: data-parallel group over which factors are averaged
             (the default group when distributed is initialized).
         gradient_holders: the data-parallel ranks holding each parameter's reduced
@@ -93,6 +99,7 @@ class KFACPreconditioner:
         lr: Union[float, Callable[[int], float], None] = None,
         accumulation_steps: int = 1,
         loss_scale: Optional[LossScale] = None,
+        boundary: Optional[Callable[[], bool]] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         gradient_holders: Optional[dict[nn.Parameter, tuple[int, ...]]] = None,
@@ -112,11 +119,14 @@ class KFACPreconditioner:
         self.lr = lr
         self.accumulation_steps = accumulation_steps
         self.loss_scale = loss_scale
+        if boundary is None and accumulation_steps == 1:
+            boundary = lambda: True  # noqa: E731 - every backward ends a step
+        self._overlap = boundary if self.config.overlap_factor_comm else None
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
 
         layers, self.skipped_layers = find_layers(model, self.config.skip_layers, self.config.max_factor_dim)
-        method = METHODS[self.config.compute_method]()
+        method = method_for(self.config)
         self.blocks = [
             KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
             for name, adapter in layers
@@ -149,6 +159,7 @@ class KFACPreconditioner:
             return
         if not self.distributor.collects(block):
             return
+        self._refuse_after_hand_over(block)
         x = inputs[0]
         block.a.accumulate(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
         if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -156,8 +167,21 @@ class KFACPreconditioner:
 
     def _output_grad_hook(self, block: KFACBlock, batch_size: int, grad: torch.Tensor) -> None:
         # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
+        self._refuse_after_hand_over(block)
         scale = self.loss_scale() if self.loss_scale is not None else 1.0
         block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
+        # Complete once every forward call of the step has had its backward (counts, so that
+        # a layer called several times per micro-batch waits for its last call).
+        if self._overlap is not None and block.g.pending == block.a.pending and self._overlap():
+            self.distributor.statistics_ready(block)
+
+    def _refuse_after_hand_over(self, block: KFACBlock) -> None:
+        if self.distributor.handed_over(block):
+            raise RuntimeError(
+                f"K-FAC layer {block.name!r} ran again after its factors for this step were final and sent "
+                f"(at the last micro-batch's backward). If one optimizer step runs several forward/backward "
+                f"passes, pass accumulation_steps (and boundary), or set overlap_factor_comm to false"
+            )
 
     @property
     def collecting(self) -> bool:
@@ -165,10 +189,9 @@ class KFACPreconditioner:
         return self._collecting
 
     def discard_step_statistics(self) -> None:
-        """Forget the factors gathered for the step in progress (e.g. it overflowed and is skipped)."""
-        for block in self.blocks:
-            block.a.discard_step()
-            block.g.discard_step()
+        """Forget the factors gathered for the step in progress (e.g. it overflowed and is skipped).
+        Collective when factors are reduced during backward: call it on every rank."""
+        self.distributor.discard_statistics()
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -254,7 +277,7 @@ class KFACPreconditioner:
     def _blocks_with_statistics(self) -> list[KFACBlock]:
         """Blocks whose hooks fired this step, agreed on by all ranks; report (once) and
         reset those whose did not. In ``local`` mode only a layer's owner collects."""
-        present = [b.a.pending > 0 and b.g.pending > 0 for b in self.blocks]
+        present = [self.distributor.has_statistics(b) for b in self.blocks]
         world = data_parallel_world(self.process_group)
         if world > 1:
             counts = torch.tensor(present, dtype=torch.int32, device=blocks_device(self.blocks))
@@ -381,7 +404,7 @@ class KFACPreconditioner:
         return {
             "version": STATE_VERSION,
             "steps": self.steps,
-            "compute_method": self.config.compute_method,
+            **{key: getattr(self.config, key) for key in METHOD_KEYS},
             "counters": dict(self.counters),
             "refresh": self.refresh.state_dict() if self.refresh is not None else None,
             "layers": {
@@ -404,11 +427,11 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict`; a mismatch (other model, layers, method) raises naming what differs."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"K-FAC state has version {state.get('version')!r}, expected {STATE_VERSION}")
-        if state["compute_method"] != self.config.compute_method:
-            raise ValueError(
-                f"K-FAC state was saved with compute_method={state['compute_method']!r}, "
-                f"this run uses {self.config.compute_method!r}"
-            )
+        for key in METHOD_KEYS:
+            # A checkpoint from before a key existed was saved with its default.
+            then, now = state.get(key, KFACConfig.model_fields[key].default), getattr(self.config, key)
+            if then != now:
+                raise ValueError(f"K-FAC state was saved with {key}={then!r}, this run uses {now!r}")
         saved, here = set(state["layers"]), set(self.layer_names)
         if saved != here:
             raise ValueError(
@@ -435,8 +458,7 @@ class KFACPreconditioner:
             b.g.value = g if self.distributor.keeps(b, "G") else None
             worker = self.distributor.is_grad_worker(b) and entry["state"] is not None
             b.state = tuple(t.to(device) for t in entry["state"]) if worker else None
-            b.a.discard_step()
-            b.g.discard_step()
+        self.distributor.discard_statistics()
         self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
         if self.refresh is not None:
             self.refresh.load_state_dict(state["refresh"])

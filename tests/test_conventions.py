@@ -84,6 +84,24 @@ def test_one_step_is_minus_preconditioned_gradient(case: str, method: str, dtype
     torch.testing.assert_close(delta, -expected, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_eigenvalue_outer_product_step_matches_reference_and_eigen(case: str, dtype: torch.dtype) -> None:
+    """Precomputing D = 1 / (v_G v_A^T + damping) changes the arithmetic, not P(g)."""
+    torch.manual_seed(0)
+    make_layer, make_input, is_conv = LAYERS[case]
+    layer, x = make_layer(), make_input()
+    target = torch.randn_like(layer(x))
+    damping = 0.01
+    expected, *_ = reference_step(layer, x, target, is_conv, "eigen", damping)
+    keys = dict(damping=damping, kl_clip=None)
+    outer, kfac = kfac_sgd_step(layer, x, target, dtype, eigenvalue_outer_product=True, **keys)
+    eigen, _ = kfac_sgd_step(layer, x, target, dtype, **keys)
+    assert kfac.blocks[0].method.name == "eigen-outer"
+    torch.testing.assert_close(outer, -expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(outer, eigen, **TOLERANCES[dtype])
+
+
 @pytest.mark.parametrize("case", ["linear_3d_input", "conv_stride_padding"])
 def test_factors_match_reference(case: str) -> None:
     torch.manual_seed(1)

@@ -25,6 +25,10 @@ BAD_SECTIONS = {
     "bad schedule": ({"damping": {"milestones": [10], "values": [0.1]}}, r"len\(values\) == len\(milestones\) \+ 1"),
     "schedule value": ({"kl_clip": {"milestones": [5], "values": [0.1, -2]}}, r"kfac\.kl_clip: schedule values \[-2\]"),
     "compute method": ({"compute_method": "cholesky"}, r"kfac\.compute_method: Input should be 'eigen' or 'inverse'"),
+    "outer product with inverse": (
+        {"compute_method": "inverse", "eigenvalue_outer_product": True},
+        r"kfac\.eigenvalue_outer_product: true needs compute_method 'eigen', this config has compute_method='inverse'",
+    ),
     "fraction": ({"grad_worker_fraction": 1.5}, r"kfac\.grad_worker_fraction: must be in \(0, 1\]"),
     "reduction": (
         {"factor_reduction": "scatter"},
@@ -71,6 +75,7 @@ REFUSED = {
         {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
         "BF16_Optimizer",
     ),
+    "unmanaged accumulation": ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
 }
 
 

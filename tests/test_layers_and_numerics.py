@@ -111,6 +111,29 @@ def test_failed_decomposition_keeps_previous(monkeypatch: pytest.MonkeyPatch) ->
     assert kfac.counters["failed_decompositions"] == 1
 
 
+def test_nonfinite_eigenvalue_outer_product_keeps_previous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN eigenvalues with finite eigenvectors leave only D non-finite: the candidate is still rejected."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1, eigenvalue_outer_product=True)
+    _backward(model, torch.randn(4, 3))
+    kfac.step()
+    previous = kfac.blocks[0].state
+    real = torch.linalg.eigh
+
+    def eigh_nan_values(matrix: torch.Tensor):
+        values, vectors = real(matrix)
+        return torch.full_like(values, float("nan")), vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh_nan_values)
+    model.zero_grad()
+    _backward(model, torch.randn(4, 3))
+    with pytest.warns(RuntimeWarning, match=r"decomposition not finite for \['0'\]"):
+        kfac.step()
+    assert kfac.blocks[0].state is previous
+    assert kfac.counters["failed_decompositions"] == 1
+
+
 def test_float64_retry_when_float32_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     real = torch.linalg.eigh
     calls = []
@@ -190,6 +213,18 @@ def test_state_dict_mismatch_names_the_difference() -> None:
         KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), lr=0.1, compute_method="inverse").load_state_dict(state)
 
 
+def test_state_dict_refuses_other_eigenvalue_outer_product() -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    plain = KFACPreconditioner(model, lr=0.1)
+    outer = KFACPreconditioner(copy.deepcopy(model), lr=0.1, eigenvalue_outer_product=True)
+    _backward(model, torch.randn(2, 4))
+    plain.step()
+    with pytest.raises(ValueError, match="saved with eigenvalue_outer_product=False, this run uses True"):
+        outer.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match="saved with eigenvalue_outer_product=True, this run uses False"):
+        plain.load_state_dict(outer.state_dict())
+
+
 def test_kl_clip_needs_a_learning_rate() -> None:
     with pytest.raises(KFACConfigError, match="kl_clip needs the learning rate"):
         KFACPreconditioner(nn.Linear(2, 2))
@@ -202,6 +237,19 @@ def test_memory_usage_counts_factor_and_decomposition_bytes() -> None:
     kfac.step()
     # A is 5x5, G 3x3 in float32; eigen keeps Q and v of each.
     assert kfac.memory_usage() == {"factors": (25 + 9) * 4, "decompositions": (25 + 5 + 9 + 3) * 4, "accumulators": 0}
+
+
+def test_eigenvalue_outer_product_holds_q_a_q_g_and_d() -> None:
+    """Q_A (5x5), Q_G (3x3) and D (3x5): a*g floats more than eigen's eigenvalues, which it drops."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    kfac = KFACPreconditioner(model, lr=0.1, damping=0.01, eigenvalue_outer_product=True)
+    _backward(model, torch.randn(2, 4))
+    kfac.step()
+    assert kfac.memory_usage()["decompositions"] == (25 + 9 + 15) * 4
+    block = kfac.blocks[0]
+    va, vg = (torch.linalg.eigvalsh(f.value).clamp(min=0) for f in (block.a, block.g))
+    torch.testing.assert_close(block.state[2], 1 / (torch.outer(vg, va) + 0.01), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 64])

@@ -12,6 +12,7 @@ import torch
 from workers import problem
 
 from ds_kfac import KFACConfigError, KFACPreconditioner
+from ds_kfac.comm import OrderedBuckets
 from ds_kfac.placement import LayerShape, PlacementPlan, lpt, workers_per_layer
 
 pytestmark = pytest.mark.timeout(420)
@@ -95,16 +96,57 @@ def test_fraction_must_give_whole_worker_count() -> None:
         workers_per_layer("hybrid-opt", 3)
 
 
+@pytest.mark.parametrize("fraction,n", [("mem-opt", 1), (0.25, 2), ("hybrid-opt", 4)])
+def test_owner_plan_uses_the_columns_of_the_partition_holders(fraction, n: int) -> None:
+    """ZeRO 1/2 at 8 ranks: BERT-large layers laid out in 8 contiguous partitions (some split
+    across two); each layer's gradient workers are the columns of its holders, its
+    decompositions stay among them, and the plan is deterministic."""
+    shapes = bert_large_layers()
+    sizes = [s.a_dim * s.g_dim for s in shapes]
+    bounds = [sum(sizes) * r / 8 for r in range(9)]
+    holders, offset = {}, 0
+    for s, size in zip(shapes, sizes):
+        holders[s.name] = tuple(r for r in range(8) if offset < bounds[r + 1] and offset + size > bounds[r])
+        offset += size
+    assert any(len(h) > 1 for h in holders.values())
+    plan = PlacementPlan(shapes, 8, fraction, "compute", holders=holders)
+    assert plan.layers == PlacementPlan(shapes, 8, fraction, "compute", holders=dict(holders)).layers
+    for s in shapes:
+        p = plan.layers[s.name]
+        columns = {r // n for r in holders[s.name]}
+        assert set(p.grad_workers) == {c * n + j for c in columns for j in range(n)}
+        assert {p.a_worker, p.g_worker} <= set(p.grad_workers)
+    if n == 1:
+        assert all(plan.layers[name].grad_workers == h for name, h in holders.items())
+
+
+def test_ordered_buckets_keep_units_whole_and_group_destinations() -> None:
+    """Units fill buckets in the given order up to the cap without straddling two; within a
+    bucket each destination's tensors form one contiguous slice (one reduce each)."""
+    units = [[4, 4], [9, 1], [2, 2], [20, 5]]
+    dsts = [[1, 0], [0, 1], [1, 1], [0, 0]]
+    b = OrderedBuckets(units, torch.float32, torch.device("cpu"), None, bucket_bytes=4 * 20, dsts=dsts)
+    assert [bucket.units for bucket in b.buckets] == [[0, 1], [2], [3]]
+    assert [bucket.segments for bucket in b.buckets] == [
+        [(0, 0, 13), (1, 13, 18)],  # dst 0: unit 0's G (4) then unit 1's A (9); dst 1: unit 0's A, unit 1's G
+        [(1, 0, 4)],
+        [(0, 0, 25)],
+    ]
+    plain = OrderedBuckets(units, torch.float32, torch.device("cpu"), None, bucket_bytes=4 * 30)
+    assert [bucket.units for bucket in plain.buckets] == [[0, 1, 2], [3]]
+    assert [bucket.segments for bucket in plain.buckets] == [[(None, 0, 22)], [(None, 0, 25)]]
+
+
 # ------------------------------------------------------------------ distributed runs
 def reference(
-    world: int, steps: int = STEPS, owners: dict[str, int] | None = None, **keys
+    world: int, steps: int = STEPS, owners: dict[str, int] | None = None, model: str = "mlp", **keys
 ) -> tuple[list[torch.Tensor], KFACPreconditioner]:
     """Parameters after each step of a single process on the global batch.
 
     With ``owners`` (``local``): each layer's factors come only from its owner's rows,
     gathered by one backward pass per rank-sized slice with only that rank's layers collecting.
     """
-    model = problem.make_model()
+    model = problem.MODELS[model]()
     opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
     config = {**KFAC, **keys}
     kfac = KFACPreconditioner(model, optimizer=opt, accumulation_steps=world if owners else 1, **config)
@@ -142,6 +184,9 @@ def scenarios(world: int) -> dict[str, dict]:
     runs["comm-opt-local"] = {"kfac": {**KFAC, "factor_reduction": "local"}}
     runs["comm-opt-reduce-symmetric"] = {"kfac": {**KFAC, "factor_reduction": "reduce", "symmetric_comm": True}}
     runs["mem-opt-inverse"] = {"kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "compute_method": "inverse"}}
+    runs["hybrid-eigen-outer"] = {
+        "kfac": {**KFAC, "grad_worker_fraction": min(1.0, 2 / world), "eigenvalue_outer_product": True}
+    }
     runs["adaptive-hybrid-reduce"] = {
         "kfac": {
             **KFAC,
@@ -149,6 +194,13 @@ def scenarios(world: int) -> dict[str, dict]:
             "grad_worker_fraction": min(1.0, 2 / world),
             "factor_reduction": "reduce",
         }
+    }
+    # Small buckets (one layer each) to see every bucket's reduction start during backward.
+    runs["overlap-small-buckets"] = {"kfac": {**KFAC, "bucket_bytes": 256}}
+    runs["no-overlap-small-buckets"] = {"kfac": {**KFAC, "bucket_bytes": 256, "overlap_factor_comm": False}}
+    runs["overlap-shared-layer-reduce"] = {
+        "kfac": {**KFAC, "bucket_bytes": 256, "factor_reduction": "reduce"},
+        "model": "shared",
     }
     runs["uniform-comm-opt-allreduce"] = {"kfac": KFAC, "model": "uniform"}
     runs["uniform-mem-opt-reduce"] = {
@@ -176,13 +228,29 @@ def test_every_mode_matches_single_process_and_ranks_agree_every_step(world_runs
         if "adaptive" in name:
             schedules = [r["kfac"]["refresh"] for r in results]
             assert all(s == schedules[0] for s in schedules), "adaptive intervals differ across ranks"
-        expected, _ = reference(world, **scenarios(world)[name]["kfac"])
+        scenario = scenarios(world)[name]
+        expected, _ = reference(world, model=scenario.get("model", "mlp"), **scenario["kfac"])
         for step in range(STEPS):
             for r in range(1, world):
                 assert torch.equal(results[0]["params"][step], results[r]["params"][step]), (name, step, r)
             torch.testing.assert_close(
                 results[0]["params"][step], expected[step], **FP32_TOL, msg=f"{name} step {step}"
             )
+
+
+def test_factor_reduction_overlaps_backward_with_the_same_result(world_runs) -> None:
+    """Every layer's bucket starts its reduction during backward (also the layer run twice per
+    forward, which must wait for its second backward), and the parameters are bit-identical to
+    reducing everything at the step."""
+    world, runs = world_runs
+    for name in ("overlap-small-buckets", "overlap-shared-layer-reduce"):
+        for r in runs[name]:
+            assert r["buckets"] == (3 if world > 1 else 0), name
+            assert r["overlapped"] == STEPS * r["buckets"], name
+    assert all(r["overlapped"] == 0 for r in runs["no-overlap-small-buckets"])
+    for with_overlap, without in zip(runs["overlap-small-buckets"], runs["no-overlap-small-buckets"]):
+        for step in range(STEPS):
+            assert torch.equal(with_overlap["params"][step], without["params"][step])
 
 
 @pytest.mark.parametrize("mode", ["mem-opt-local", "comm-opt-local"])
@@ -216,7 +284,14 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
     reduction, symmetric = keys.get("factor_reduction", "allreduce"), keys.get("symmetric_comm", False)
     floats = sum((d * (d + 1) // 2 if symmetric else d * d) for a, g in shapes.values() for d in (a, g))
     eigen = keys.get("compute_method", "eigen") == "eigen"
-    side = (lambda d: d * d + d) if eigen else (lambda d: d * d)
+    outer = keys.get("eigenvalue_outer_product", False)
+
+    def decomposition(a: int, g: int) -> int:
+        """Floats of one layer's decomposition, each side sent once from its decomposing rank."""
+        if outer:
+            return a * a + (g * g + a * g)  # (Q_A,) and (Q_G, D)
+        return (a * a + a) + (g * g + g) if eigen else a * a + g * g  # (Q, v) per side; (F^-1,) per side
+
     out = {"all_reduce": 0, "reduce": 0, "broadcast": 0}
     if world == 1:
         return out
@@ -229,7 +304,7 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
         out["all_reduce"] += world * 4  # the KL-clip sum
         out["broadcast"] += n * sum(4 * a * g for a, g in shapes.values())  # P(g) along rows
     if n > 1 and step % keys["inv_update_steps"] == 0:
-        out["broadcast"] += sum(4 * side(d) for a, g in shapes.values() for d in (a, g))
+        out["broadcast"] += sum(4 * decomposition(a, g) for a, g in shapes.values())
     return out
 
 

@@ -48,11 +48,13 @@ def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int
     return out
 
 
-def _all_reduce_(
-    tensors: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup], bucket_bytes: int, average: bool
+def all_reduce_sum_(
+    tensors: Sequence[torch.Tensor],
+    group: Optional[dist.ProcessGroup] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
-    world = data_parallel_world(group)
-    if world == 1 or not tensors:
+    """Sum ``tensors`` in place over the ranks of ``group``."""
+    if data_parallel_world(group) == 1 or not tensors:
         return
     pending = []
     for idx in buckets(tensors, bucket_bytes):
@@ -62,7 +64,7 @@ def _all_reduce_(
         pending.append((idx, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for idx, flat, work in pending:
         work.wait()
-        _unpack(flat.div_(world) if average else flat, tensors, idx)
+        _unpack(flat, tensors, idx)
 
 
 def _flat_buckets(tensors: Sequence[torch.Tensor], keys: Sequence[tuple], bucket_bytes: int) -> list[list[int]]:
@@ -82,30 +84,6 @@ def _unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], idx: Sequence[i
         n = tensors[i].numel()
         tensors[i].copy_(flat[offset : offset + n].view_as(tensors[i]))
         offset += n
-
-
-def reduce_mean_to_(
-    tensors: Sequence[torch.Tensor],
-    dsts: Sequence[int],
-    group: Optional[dist.ProcessGroup] = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> None:
-    """Average each tensor over the ranks of ``group`` onto its destination (a global rank)
-    only (SP-NGD's reduce-to-owner); tensors elsewhere are left as they were."""
-    world = data_parallel_world(group)
-    if world == 1 or not tensors:
-        return
-    me = dist.get_rank()
-    pending = []
-    for idx in _flat_buckets(tensors, [(d,) for d in dsts], bucket_bytes):
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        STATS["reduce"] += flat.numel() * flat.element_size()
-        STATS["reduce_calls"] += 1
-        pending.append((idx, flat, dsts[idx[0]], dist.reduce(flat, dst=dsts[idx[0]], group=group, async_op=True)))
-    for idx, flat, dst, work in pending:
-        work.wait()
-        if dst == me:
-            _unpack(flat.div_(world), tensors, idx)
 
 
 def broadcast_(
@@ -149,21 +127,3 @@ def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
     out[rows, cols] = packed
     out[cols, rows] = packed
     return out
-
-
-def all_reduce_mean_(
-    tensors: Sequence[torch.Tensor],
-    group: Optional[dist.ProcessGroup] = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> None:
-    """Average ``tensors`` in place over the ranks of ``group``."""
-    _all_reduce_(tensors, group, bucket_bytes, average=True)
-
-
-def all_reduce_sum_(
-    tensors: Sequence[torch.Tensor],
-    group: Optional[dist.ProcessGroup] = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> None:
-    """Sum ``tensors`` in place over the ranks of ``group``."""
-    _all_reduce_(tensors, group, bucket_bytes, average=False)

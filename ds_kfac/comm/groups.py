@@ -3,8 +3,9 @@
 Plans speak in data-parallel ranks ``0..world-1``; collectives need global
 ranks and groups. :class:`RankGroups` maps between them and creates one group
 per rank set the plan exchanges data within (columns and rows of gradient
-workers, or the holders of a ZeRO-split layer) at construction: never per
-step or per checkpoint.
+workers, or the holders of a ZeRO-split layer), plus one of all ranks for
+factor reduction overlapped with the backward pass, at construction: never
+per step or per checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch.distributed as dist
 class RankGroups:
     """Global ranks of a data-parallel group, and a process group for each given set of its ranks."""
 
-    def __init__(self, sets: Sequence[tuple[int, ...]], group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self, sets: Sequence[tuple[int, ...]], group: Optional[dist.ProcessGroup] = None, overlap: bool = False
+    ) -> None:
         self.group = group
         self.global_ranks = (
             dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -29,6 +32,8 @@ class RankGroups:
             members: self.group if len(members) == world else dist.new_group([self.global_ranks[m] for m in members])
             for members in sets
         }
+        self.overlap = dist.new_group(self.global_ranks) if overlap else None
+        """All ranks again, for collectives that run while the engine reduces gradients on ``group``."""
 
     def of(self, members: tuple[int, ...]) -> Optional[dist.ProcessGroup]:
         """The process group of a rank set named by the plan."""

@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from .schedules import PiecewiseSchedule
 
@@ -84,6 +84,7 @@ class KFACConfig(BaseModel):
     factor_decay: DecaySchedule = 0.95
     kl_clip: Optional[PositiveSchedule] = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"
+    eigenvalue_outer_product: bool = False
     grad_worker_fraction: Union[Literal["comm-opt", "hybrid-opt", "mem-opt"], float] = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"
@@ -92,12 +93,22 @@ class KFACConfig(BaseModel):
     factor_dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     inv_dtype: Literal["float32", "float64"] = "float32"
     symmetric_comm: bool = False
+    overlap_factor_comm: bool = True
 
     @field_validator("grad_worker_fraction")
     @classmethod
     def _fraction_range(cls, v: Union[str, float]) -> Union[str, float]:
         if isinstance(v, float) and not 0.0 < v <= 1.0:
             raise ValueError(f"must be in (0, 1] or one of {PLACEMENT_PRESETS}")
+        return v
+
+    @field_validator("eigenvalue_outer_product")
+    @classmethod
+    def _outer_product_needs_eigen(cls, v: bool, info: ValidationInfo) -> bool:
+        # compute_method is declared first, so it is in info.data when it is valid.
+        method = info.data.get("compute_method")
+        if v and method not in (None, "eigen"):
+            raise ValueError(f"true needs compute_method 'eigen', this config has compute_method={method!r}")
         return v
 
     @field_validator("skip_layers")

@@ -1,7 +1,15 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
 from .block import KFACBlock, blocks_device
-from .decomposition import METHODS, Decomposition, EigenDecomposition, InverseDecomposition, all_finite
+from .decomposition import (
+    METHODS,
+    Decomposition,
+    EigenDecomposition,
+    EigenOuterDecomposition,
+    InverseDecomposition,
+    all_finite,
+    method_for,
+)
 from .factors import KroneckerFactor
 from .refresh import AdaptiveRefresh
 
@@ -10,9 +18,11 @@ __all__ = [
     "AdaptiveRefresh",
     "Decomposition",
     "EigenDecomposition",
+    "EigenOuterDecomposition",
     "InverseDecomposition",
     "KFACBlock",
     "KroneckerFactor",
     "all_finite",
     "blocks_device",
+    "method_for",
 ]

@@ -4,6 +4,14 @@
 
     P(g) = Q_G [ (Q_G^T g Q_A) / (v_G v_A^T + damping) ] Q_A^T
 
+``eigen`` with ``eigenvalue_outer_product`` (KAISA's precompute)::
+
+    D = 1 / (v_G v_A^T + damping)        (once per decomposition, A and G together)
+    P(g) = Q_G [ (Q_G^T g Q_A) * D ] Q_A^T
+
+  an elementwise multiply per step instead of outer, add and divide; ``D``
+  keeps the damping of its decomposition step until the next refresh.
+
 ``inverse`` (factored Tikhonov damping with ``pi = sqrt((tr A / dim A) / (tr G / dim G))``)::
 
     P(g) = (G + sqrt(damping)/pi I)^-1  g  (A + pi sqrt(damping) I)^-1
@@ -18,11 +26,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+if TYPE_CHECKING:
+    from ..config import KFACConfig
+
 State = tuple[torch.Tensor, ...]
+Shape = tuple[int, ...]
 
 
 def _with_fallback(fn: Callable[[torch.Tensor], State], matrix: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
@@ -49,6 +61,14 @@ def _inv(matrix: torch.Tensor) -> State:
     return (torch.linalg.inv(matrix),)
 
 
+def _in_eigenbasis(
+    qa: torch.Tensor, qg: torch.Tensor, grad: torch.Tensor, rescale: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``Q_G rescale(Q_G^T grad Q_A) Q_A^T``: the eigen methods differ only in how they rescale in the eigenbasis."""
+    rotated = qg.t() @ grad.to(qa.dtype) @ qa
+    return qg @ rescale(rotated) @ qa.t()
+
+
 def all_finite(state: Optional[State]) -> torch.Tensor:
     """Whether a decomposition exists and is finite, as a device tensor (no host sync)."""
     if state is None:
@@ -69,8 +89,8 @@ class Decomposition(ABC):
     """Whether both sides must be computed together (on one rank)."""
 
     @abstractmethod
-    def side_shapes(self, dim: int) -> list[tuple[int, ...]]:
-        """Shapes of one side's tensors for a factor of size ``dim``."""
+    def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
+        """Shapes of the ``A`` side's and the ``G`` side's tensors for a layer with these factor sizes."""
 
     @abstractmethod
     def compute(
@@ -89,8 +109,8 @@ class EigenDecomposition(Decomposition):
     name = "eigen"
     colocated = False
 
-    def side_shapes(self, dim: int) -> list[tuple[int, ...]]:
-        return [(dim, dim), (dim,)]
+    def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
+        return [(a_dim, a_dim), (a_dim,)], [(g_dim, g_dim), (g_dim,)]
 
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
@@ -99,9 +119,37 @@ class EigenDecomposition(Decomposition):
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         qa, va, qg, vg = state
-        rotated = qg.t() @ grad.to(qa.dtype) @ qa
-        rotated /= torch.outer(vg, va).add_(damping)
-        return qg @ rotated @ qa.t()
+        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(torch.outer(vg, va).add_(damping)))
+
+
+class EigenOuterDecomposition(Decomposition):
+    """Sides ``(Q_A,)`` and ``(Q_G, D)`` with ``D = 1 / (v_G v_A^T + damping)`` (``g_dim x a_dim``).
+
+    ``D`` needs both eigenvalue sets, so both sides are computed together; it
+    freezes the damping of the decomposition step, and preconditioning is one
+    elementwise multiply in the eigenbasis.
+    """
+
+    name = "eigen-outer"
+    colocated = True
+
+    def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
+        return [(a_dim, a_dim)], [(g_dim, g_dim), (g_dim, a_dim)]
+
+    def compute(
+        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+    ) -> tuple[Optional[State], Optional[State]]:
+        if a is None or g is None:
+            raise ValueError("the eigenvalue outer product decomposes A and G together")
+        a_eig, g_eig = _with_fallback(_eigh, a, dtype), _with_fallback(_eigh, g, dtype)
+        if a_eig is None or g_eig is None:
+            return None, None
+        (qa, va), (qg, vg) = a_eig, g_eig
+        return (qa,), (qg, torch.outer(vg, va).add_(damping).reciprocal_())
+
+    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+        qa, qg, d = state
+        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.mul_(d))
 
 
 class InverseDecomposition(Decomposition):
@@ -111,8 +159,8 @@ class InverseDecomposition(Decomposition):
     name = "inverse"
     colocated = True
 
-    def side_shapes(self, dim: int) -> list[tuple[int, ...]]:
-        return [(dim, dim)]
+    def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
+        return [(a_dim, a_dim)], [(g_dim, g_dim)]
 
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
@@ -135,3 +183,11 @@ class InverseDecomposition(Decomposition):
 
 
 METHODS: dict[str, type[Decomposition]] = {"eigen": EigenDecomposition, "inverse": InverseDecomposition}
+
+
+def method_for(config: KFACConfig) -> Decomposition:
+    """The decomposition ``config`` asks for: ``compute_method``, refined by ``eigenvalue_outer_product``
+    (which the config only accepts with ``"eigen"``)."""
+    if config.eigenvalue_outer_product:
+        return EigenOuterDecomposition()
+    return METHODS[config.compute_method]()

@@ -10,9 +10,9 @@ patched. The user's loop stays ``engine.backward(loss); engine.step()``:
   DeepSpeed has reduced them and before DeepSpeed clips them
   (``gradient_clipping``) and runs the base optimizer; under ZeRO 1/2 each
   rank preconditions the gradient partition it owns (see
-  :mod:`ds_kfac.placement.gradients`); with ``mem-opt`` only the owners of a
-  layer's partition hold its curvature, and ZeRO's parameter all-gather
-  delivers the result;
+  :mod:`ds_kfac.placement.gradients`); with fewer gradient workers than ranks,
+  a layer's workers are the KAISA columns of the ranks owning its partition,
+  and ZeRO's parameter all-gather delivers the result;
 * if DeepSpeed then skips the step (fp16/bf16 overflow), the step's K-FAC
   statistics are discarded and its curvature updates undone.
 """
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..comm import all_reduce_sum_
-from ..config import KFACConfig, KFACConfigError
+from ..config import KFACConfig
 from ..placement import Fragment, GradientLayout, workers_per_layer
 from ..preconditioner import KFACPreconditioner
 
@@ -60,20 +60,15 @@ class KFACEngine(DeepSpeedEngine):
         stage = self.zero_optimization_stage()
         world = self.dp_world_size
         n = workers_per_layer(kfac_config.grad_worker_fraction, world)
-        if stage > 0 and 1 < n < world:
-            raise KFACConfigError(
-                f"kfac.grad_worker_fraction={kfac_config.grad_worker_fraction!r} cannot be used with ZeRO stage "
-                f"{stage}: under ZeRO 1/2 the gradient workers are either every rank ('comm-opt') or the ranks "
-                f"owning each layer's gradient partition ('mem-opt'); other fractions need ZeRO stage 0"
-            )
         self.kfac = KFACPreconditioner(
             self.module,
             kfac_config,
             lr=lambda step: self.get_lr()[0],
             accumulation_steps=self.gradient_accumulation_steps(),
             loss_scale=self._loss_scale,
+            boundary=self.is_gradient_accumulation_boundary,
             process_group=self.data_parallel_group,
-            gradient_holders=self._gradient_holders() if stage > 0 and n == 1 and world > 1 else None,
+            gradient_holders=self._gradient_holders() if stage > 0 and n < world else None,
         )
         if stage == 0:
             self._grad_layout = GradientLayout()

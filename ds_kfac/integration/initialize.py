@@ -95,6 +95,11 @@ def _refuse_unsupported(cfg: DeepSpeedConfig, config: dict, model: torch.nn.Modu
         )
     if cfg.bfloat16_config.enabled and stage == 1 and str(cfg.grad_accum_dtype).lower() in ("fp32", "float32"):
         problems.append("bf16 with data_types.grad_accum_dtype=fp32 at ZeRO stage 1 (DeepSpeed's BF16_Optimizer)")
+    if not getattr(cfg, "managed_gradient_accumulation", True):
+        problems.append(
+            "managed_gradient_accumulation=false (K-FAC scales G by gradient_accumulation_steps and needs "
+            "the engine's micro-step count to find the accumulation boundary)"
+        )
     if isinstance(model, PipelineModule):
         problems.append("pipeline parallelism (PipelineModule)")
     if mesh_param is not None or "sequence_parallel_size" in config:

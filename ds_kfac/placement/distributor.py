@@ -20,18 +20,17 @@ import torch
 import torch.distributed as dist
 
 from ..comm import (
+    OrderedBuckets,
     RankGroups,
-    all_reduce_mean_,
     all_reduce_sum_,
     broadcast_,
     data_parallel_world,
     pack_symmetric,
-    reduce_mean_to_,
     unpack_symmetric,
 )
 from ..config import KFACConfig
 from ..curvature import Decomposition, KFACBlock, KroneckerFactor, blocks_device
-from ..curvature.decomposition import State
+from ..curvature.decomposition import Shape, State
 from ..curvature.factors import compute_dtype
 from .plan import LayerShape, PlacementPlan
 
@@ -58,9 +57,16 @@ class Distributor:
         shapes = [LayerShape(b.name, b.adapter.a_dim, b.adapter.g_dim) for b in blocks]
         colocate = method.colocated or config.factor_reduction == "local"
         self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
-        self.groups = RankGroups(self.plan.broadcast_sets(), group) if self.world > 1 else None
+        reduces = self.world > 1 and config.factor_reduction != "local"
+        overlap = reduces and config.overlap_factor_comm
+        self.groups = RankGroups(self.plan.broadcast_sets(), group, overlap) if self.world > 1 else None
         self.rank = self.groups.rank if self.groups else 0
         self._blocks = {b.name: b for b in blocks}
+        # Backward reaches the last layers first: buckets fill in reverse registration order.
+        self._unit_blocks = list(reversed(blocks))
+        self._unit = {b.name: u for u, b in enumerate(self._unit_blocks)}
+        self.factor_buckets = self._make_factor_buckets(overlap) if reduces else None
+        """The static buckets factors are reduced in (``None`` when nothing is reduced)."""
 
     # ----------------------------------------------------------------- roles
     def collects(self, block: KFACBlock) -> bool:
@@ -90,20 +96,67 @@ class Distributor:
         return self.plan.replicated or self.rank == self.plan.layers[block.name].a_worker
 
     # ---------------------------------------------------------------- factors
+    def _make_factor_buckets(self, overlap: bool) -> OrderedBuckets:
+        """The static buckets every rank reduces factors in: one unit (A, G) per layer."""
+        sizes = [[self._wire_numel(b.a), self._wire_numel(b.g)] for b in self._unit_blocks]
+        dsts = None
+        if self.config.factor_reduction == "reduce":
+            dsts = [[self._worker_global(b, "A"), self._worker_global(b, "G")] for b in self._unit_blocks]
+        group = self.groups.overlap if overlap else self.group
+        device = blocks_device(self._unit_blocks)
+        return OrderedBuckets(sizes, self.config.factor_torch_dtype, device, group, self.bucket_bytes, dsts)
+
+    def _wire_numel(self, factor: KroneckerFactor) -> int:
+        return factor.dim * (factor.dim + 1) // 2 if self.config.symmetric_comm else factor.dim * factor.dim
+
+    def statistics_ready(self, block: KFACBlock) -> None:
+        """The layer's factors for this step are final (its last backward of the step ran):
+        hand them to the reduction, which starts as soon as their bucket and those before it are full."""
+        if self.factor_buckets is not None:
+            self.factor_buckets.put(self._unit[block.name], self._step_wire(self._unit[block.name]))
+
+    def handed_over(self, block: KFACBlock) -> bool:
+        """Whether the layer's factors for this step have already been handed to the reduction."""
+        return self.factor_buckets is not None and self.factor_buckets.is_filled(self._unit[block.name])
+
+    def has_statistics(self, block: KFACBlock) -> bool:
+        """Whether this rank gathered factors for the layer this step (held, or handed over)."""
+        return (block.a.pending > 0 and block.g.pending > 0) or self.handed_over(block)
+
+    def discard_statistics(self) -> None:
+        """Drop this step's factors, including any already handed to the reduction."""
+        if self.factor_buckets is not None:
+            self.factor_buckets.cancel()
+        for block in self._blocks.values():
+            block.a.discard_step()
+            block.g.discard_step()
+
+    def _step_wire(self, unit: int) -> list[torch.Tensor]:
+        """A layer's step factors (A, G) as they travel; zeros where it gathered none this step
+        (such a layer is dropped on every rank after the presence check)."""
+        block = self._unit_blocks[unit]
+        out = []
+        for factor in (block.a, block.g):
+            value = factor.take_step()
+            if value is None:
+                device = block.adapter.module.weight.device
+                out.append(torch.zeros(self._wire_numel(factor), dtype=self.config.factor_torch_dtype, device=device))
+            else:
+                out.append(self._to_wire(value))
+        return out
+
     def update_factors(self, blocks: Sequence[KFACBlock], decay: float) -> list[torch.Tensor]:
         """Reduce this step's factors of ``blocks`` and fold them in where they are kept;
         return the finiteness flags of the folded-in values (device tensors)."""
         sides = [(b, side, f) for b in blocks for side, f in (("A", b.a), ("G", b.g))]
-        values = [f.take_step() for _, _, f in sides]
-        reduction = self.config.factor_reduction
-        if self.world > 1 and reduction != "local":
-            wire = [self._to_wire(v) for v in values]
-            if reduction == "allreduce":
-                all_reduce_mean_(wire, self.group, self.bucket_bytes)
-            else:
-                dsts = [self._worker_global(b, side) for b, side, _ in sides]
-                reduce_mean_to_(wire, dsts, self.group, self.bucket_bytes)
-            values = [self._from_wire(w, f) for w, (_, _, f) in zip(wire, sides)]
+        if self.factor_buckets is None:
+            values = [f.take_step() for _, _, f in sides]
+        else:
+            wire = self.factor_buckets.finish(self._step_wire)
+            values = [
+                self._from_wire(wire[self._unit[b.name]][0 if side == "A" else 1], f) if self.keeps(b, side) else None
+                for b, side, f in sides
+            ]
         flags = []
         for (block, side, factor), value in zip(sides, values):
             if value is not None and self.keeps(block, side):
@@ -121,8 +174,10 @@ class Distributor:
         return pack_symmetric(value) if self.config.symmetric_comm else value
 
     def _from_wire(self, wire: torch.Tensor, factor: KroneckerFactor) -> torch.Tensor:
-        value = unpack_symmetric(wire, factor.dim) if self.config.symmetric_comm else wire
-        return value.to(compute_dtype(factor.dtype))
+        """A fresh matrix (not a view that would keep the whole bucket alive) in the factor's arithmetic dtype."""
+        if self.config.symmetric_comm:
+            return unpack_symmetric(wire, factor.dim).to(compute_dtype(factor.dtype))
+        return wire.view(factor.dim, factor.dim).to(compute_dtype(factor.dtype), copy=True)
 
     # --------------------------------------------------------- decompositions
     def decompose(
@@ -154,16 +209,16 @@ class Distributor:
             else:
                 a_side, g_side = self.method.compute(a, g, damping, dtype)
             if do_a:
-                sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b.adapter.a_dim, b)
+                sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b, "A")
             if do_g:
-                sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b.adapter.g_dim, b)
+                sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b, "G")
         if self.world > 1:
             self._share_decompositions(blocks, sides, needed)
         chosen, states = [], []
         for b in blocks:
             if not (needed[b.name] and self.is_grad_worker(b)):
                 continue
-            split = len(self.method.side_shapes(1))
+            split = len(self._side_shapes(b, "A"))
             old_a, old_g = (b.state[:split], b.state[split:]) if b.state is not None else (None, None)
             chosen.append(b)
             states.append(sides.get((b.name, "A"), old_a) + sides.get((b.name, "G"), old_g))
@@ -194,10 +249,15 @@ class Distributor:
             all_reduce_sum_([agreed], self.group, self.bucket_bytes)
         return [max(1, int(v)) for v in agreed.tolist()]
 
-    def _nan_side(self, dim: int, block: KFACBlock) -> State:
+    def _side_shapes(self, block: KFACBlock, side: str) -> list[Shape]:
+        """Shapes of the tensors of a layer's ``side`` ("A" or "G") under the compute method."""
+        a_shapes, g_shapes = self.method.side_shapes(block.adapter.a_dim, block.adapter.g_dim)
+        return a_shapes if side == "A" else g_shapes
+
+    def _nan_side(self, block: KFACBlock, side: str) -> State:
         device = block.adapter.module.weight.device
         dtype = self.config.inv_torch_dtype
-        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in self.method.side_shapes(dim))
+        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in self._side_shapes(block, side))
 
     def _share_decompositions(
         self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
@@ -208,7 +268,7 @@ class Distributor:
             workers = self.plan.layers[b.name].grad_workers
             if self.rank not in workers or len(workers) == 1:
                 continue
-            for side, dim in (("A", b.adapter.a_dim), ("G", b.adapter.g_dim)):
+            for side in ("A", "G"):
                 if side not in needed[b.name]:
                     continue
                 key = (b.name, side)
@@ -216,7 +276,7 @@ class Distributor:
                     device = b.adapter.module.weight.device
                     sides[key] = tuple(
                         torch.empty(s, dtype=self.config.inv_torch_dtype, device=device)
-                        for s in self.method.side_shapes(dim)
+                        for s in self._side_shapes(b, side)
                     )
                 tensors.extend(sides[key])
                 srcs.extend([self._worker_global(b, side)] * len(sides[key]))

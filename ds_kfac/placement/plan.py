@@ -14,8 +14,13 @@ communication), and never changes. It follows KAISA's layout:
 * Layers go to columns, and within a column each factor's decomposition to one
   rank, by greedy longest-processing-time on cost ``dim^3`` (``compute``) or
   ``dim^2`` (``memory``). ``A`` and ``G`` of a layer may land on different ranks,
-  except with ``compute_method="inverse"`` (whose damping couples them) and
+  except with ``compute_method="inverse"`` (whose damping couples them),
+  ``eigenvalue_outer_product`` (which needs both eigenvalue sets) and
   ``factor_reduction="local"`` (one owner computes both), where they share one.
+* Under ZeRO 1/2 with ``n < world`` the gradient already lies partitioned, so
+  columns follow ownership instead of LPT: a layer's gradient workers are the
+  column(s) of the rank(s) whose partition holds its gradient, and nothing
+  travels along rows (each holder writes its own partition).
 """
 
 from __future__ import annotations
@@ -92,11 +97,11 @@ class PlacementPlan:
     ) -> None:
         self.world = world
         self.owners = holders is not None
+        self.n = workers_per_layer(grad_worker_fraction, world)
+        self.columns = world // self.n
         if holders is not None:
             self._place_on_holders(layers, holders, assignment, colocate)
             return
-        self.n = workers_per_layer(grad_worker_fraction, world)
-        self.columns = world // self.n
         power = 3 if assignment == "compute" else 2
         a_cost = [float(s.a_dim) ** power for s in layers]
         g_cost = [float(s.g_dim) ** power for s in layers]
@@ -104,7 +109,7 @@ class PlacementPlan:
         self.rank_loads = [0.0] * world
         self.layers: dict[str, LayerPlacement] = {}
         for k in range(self.columns):
-            members = list(range(k * self.n, (k + 1) * self.n))
+            members = list(self._column_members(k))
             mine = [i for i, c in enumerate(column_of) if c == k]
             if colocate:
                 items = [a_cost[i] + g_cost[i] for i in mine]
@@ -120,14 +125,18 @@ class PlacementPlan:
     def _place_on_holders(
         self, layers: Sequence[LayerShape], holders: dict[str, tuple[int, ...]], assignment: str, colocate: bool
     ) -> None:
-        """ZeRO 1/2 ownership: a layer's gradient workers are the ranks whose partitions hold its
-        gradient (one, or two or more where ZeRO split it); its decompositions go to the least
-        loaded of them, largest first. Preconditioned gradients then never move: each holder
-        writes its own partition and ZeRO's parameter all-gather delivers the update."""
+        """ZeRO 1/2 ownership: a layer's gradient workers are the columns of the ranks whose
+        partitions hold its gradient (with ``mem-opt`` just those ranks: one, or two or more
+        where ZeRO split it). Its decompositions go to the least loaded of its workers,
+        largest first. Preconditioned gradients then never move: each holder writes its own
+        partition and ZeRO's parameter all-gather delivers the update."""
         missing = [s.name for s in layers if not holders.get(s.name)]
         if missing:
             raise ValueError(f"no data-parallel rank holds the gradient of K-FAC layers {missing}")
-        self.n, self.columns = 1, self.world
+        workers_of = {
+            s.name: tuple(sorted({m for h in holders[s.name] for m in self._column_members(h // self.n)}))
+            for s in layers
+        }
         power = 3 if assignment == "compute" else 2
         items = []  # (cost, layer index, sides)
         for i, s in enumerate(layers):
@@ -138,14 +147,17 @@ class PlacementPlan:
         self.rank_loads = [0.0] * self.world
         workers: dict[tuple[int, str], int] = {}
         for cost, i, sides in sorted(items, key=lambda item: (-item[0], item[1], item[2])):
-            rank = min(holders[layers[i].name], key=lambda r: (self.rank_loads[r], r))
+            rank = min(workers_of[layers[i].name], key=lambda r: (self.rank_loads[r], r))
             self.rank_loads[rank] += cost
             for side in sides:
                 workers[(i, side)] = rank
         self.layers = {
-            s.name: LayerPlacement(workers[(i, "A")], workers[(i, "G")], -1, tuple(sorted(holders[s.name])))
+            s.name: LayerPlacement(workers[(i, "A")], workers[(i, "G")], -1, workers_of[s.name])
             for i, s in enumerate(layers)
         }
+
+    def _column_members(self, column: int) -> tuple[int, ...]:
+        return tuple(range(column * self.n, (column + 1) * self.n))
 
     def is_grad_worker(self, name: str, rank: int) -> bool:
         return rank in self.layers[name].grad_workers
@@ -154,7 +166,7 @@ class PlacementPlan:
         """The rank sets that exchange decompositions or gradients (each needs a process group)."""
         if self.owners:
             return sorted({p.grad_workers for p in self.layers.values() if len(p.grad_workers) > 1})
-        columns = [tuple(range(k * self.n, (k + 1) * self.n)) for k in range(self.columns)]
+        columns = [self._column_members(k) for k in range(self.columns)]
         rows = [tuple(range(j, self.world, self.n)) for j in range(self.n)]
         return [m for m in columns + rows if len(m) > 1]
 

@@ -44,10 +44,13 @@ def run(scenario: dict) -> dict:
         comm.append({k: STATS[k] - before[k] for k in KINDS})
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
     plan = kfac.distributor.plan
+    buckets = kfac.distributor.factor_buckets
     return {
         "params": params,
         "comm": comm,
         "memory": kfac.memory_usage(),
+        "overlapped": buckets.overlapped if buckets is not None else 0,
+        "buckets": len(buckets.buckets) if buckets is not None else 0,
         "layers": {name: (p.a_worker, p.g_worker, p.grad_workers) for name, p in plan.layers.items()},
         "shapes": {b.name: (b.adapter.a_dim, b.adapter.g_dim) for b in kfac.blocks},
         "kfac": kfac.state_dict(),

@@ -24,7 +24,23 @@ def make_uniform_model() -> nn.Module:
 
 
 WIDE = 10
-MODELS = {"mlp": make_model, "uniform": make_uniform_model}
+
+
+class SharedLayer(nn.Module):
+    """The middle Linear runs twice per forward (weight sharing): its hooks fire twice per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.twice, self.last = nn.Linear(IN, 5), nn.Linear(5, 5), nn.Linear(5, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        return self.last(h)
+
+
+MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer}
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -38,7 +54,7 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 def global_batch(step: int, size: int, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of optimizer step ``step``: the same on every rank and world size."""
-    first, last = (model[0].in_features, model[-1].out_features) if model is not None else (IN, OUT)
+    first, last = (model[0].in_features, model[-1].out_features) if isinstance(model, nn.Sequential) else (IN, OUT)
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(size, first, generator=g), torch.randn(size, last, generator=g)
 
