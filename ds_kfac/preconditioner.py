@@ -53,6 +53,12 @@ class Snapshot:
 
 
 STATE_VERSION = 1
+
+
+def _every_backward_ends_a_step() -> bool:
+    return True
+
+
 METHOD_KEYS = ("compute_method", "eigenvalue_outer_product")
 """Config keys that decide what a decomposition holds: recorded in a checkpoint, which loads only where they match."""
 
@@ -120,8 +126,8 @@ class KFACPreconditioner:
         self.accumulation_steps = accumulation_steps
         self.loss_scale = loss_scale
         if boundary is None and accumulation_steps == 1:
-            boundary = lambda: True  # noqa: E731 - every backward ends a step
-        self._overlap = boundary if self.config.overlap_factor_comm else None
+            boundary = _every_backward_ends_a_step
+        self._last_micro_batch = boundary if self.config.overlap_factor_comm else None
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
 
@@ -172,7 +178,8 @@ class KFACPreconditioner:
         block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
         # Complete once every forward call of the step has had its backward (counts, so that
         # a layer called several times per micro-batch waits for its last call).
-        if self._overlap is not None and block.g.pending == block.a.pending and self._overlap():
+        done = self._last_micro_batch is not None and block.g.pending == block.a.pending
+        if done and self._last_micro_batch():
             self.distributor.statistics_ready(block)
 
     def _refuse_after_hand_over(self, block: KFACBlock) -> None:

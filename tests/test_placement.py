@@ -253,6 +253,14 @@ def test_factor_reduction_overlaps_backward_with_the_same_result(world_runs) -> 
             assert torch.equal(with_overlap["params"][step], without["params"][step])
 
 
+def test_a_pass_after_the_factors_were_sent_is_an_error(tmp_path) -> None:
+    """Two forward/backward passes in one step with accumulation_steps=1: the second pass's
+    statistics would arrive after the first pass's factors were sent, so it raises, naming the layer."""
+    scenario = {"kfac": KFAC, "steps": 1, "per_rank": PER_RANK, "passes": 2, "expect_error": True}
+    for result in launch.torchrun(2, tmp_path, [scenario])[0]:
+        assert "K-FAC layer '" in result["error"] and "overlap_factor_comm" in result["error"]
+
+
 @pytest.mark.parametrize("mode", ["mem-opt-local", "comm-opt-local"])
 def test_local_factors_come_from_the_owner_only(world_runs, mode: str) -> None:
     world, runs = world_runs

@@ -1,8 +1,9 @@
 """Standalone (no DeepSpeed) distributed worker: DDP + KFACPreconditioner under torchrun.
 
-Runs the scenarios of a JSON spec (``kfac`` keys, ``steps``, ``model``) and saves,
-per rank, the parameters after every step, K-FAC's per-rank memory, the bytes
-of each collective kind per step, and the placement plan.
+Runs the scenarios of a JSON spec (``kfac`` keys, ``steps``, ``model``, ``passes``:
+forward/backward passes per step, ``expect_error``: record a RuntimeError's message
+instead of failing) and saves, per rank, the parameters after every step, K-FAC's
+per-rank memory, the bytes of each collective kind per step, and the placement plan.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ KINDS = ("all_reduce", "reduce", "broadcast")
 
 
 def run(scenario: dict) -> dict:
+    if scenario.get("expect_error"):
+        try:
+            train(scenario)
+        except RuntimeError as err:  # the test asserts on the message
+            return {"error": str(err)}
+        return {"error": None}
+    return train(scenario)
+
+
+def train(scenario: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = problem.MODELS[scenario.get("model", "mlp")]()
     ddp = DistributedDataParallel(model)
@@ -38,7 +49,8 @@ def run(scenario: dict) -> dict:
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         before = {k: STATS[k] for k in KINDS}
         opt.zero_grad()
-        problem.loss_fn(ddp(x[rows]), y[rows]).backward()
+        for _ in range(scenario.get("passes", 1)):
+            problem.loss_fn(ddp(x[rows]), y[rows]).backward()
         kfac.step()
         opt.step()
         comm.append({k: STATS[k] - before[k] for k in KINDS})
