@@ -380,15 +380,19 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------ inspection
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank, by category: running factors, decompositions, and the
-        accumulators of the step in progress (independent of the number of micro-batches)."""
-        usage = {"factors": 0, "decompositions": 0, "accumulators": 0}
+        """Bytes held on this rank, by category: running factors, decompositions, the
+        accumulators of the step in progress (independent of the number of micro-batches),
+        and the factor snapshots adaptive refresh compares against (on the decomposing rank)."""
+        usage = {"factors": 0, "decompositions": 0, "accumulators": 0, "refresh_references": 0}
         for b in self.blocks:
             for factor in (b.a, b.g):
                 running, accumulator = factor.nbytes()
                 usage["factors"] += running
                 usage["accumulators"] += accumulator
             usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
+        if self.refresh is not None:
+            references = [t for f in self.refresh.factors.values() for t in (f.last, f.before_last) if t is not None]
+            usage["refresh_references"] = sum(t.numel() * t.element_size() for t in references)
         return usage
 
     @property

@@ -236,7 +236,12 @@ def test_memory_usage_counts_factor_and_decomposition_bytes() -> None:
     _backward(model, torch.randn(2, 4))
     kfac.step()
     # A is 5x5, G 3x3 in float32; eigen keeps Q and v of each.
-    assert kfac.memory_usage() == {"factors": (25 + 9) * 4, "decompositions": (25 + 5 + 9 + 3) * 4, "accumulators": 0}
+    assert kfac.memory_usage() == {
+        "factors": (25 + 9) * 4,
+        "decompositions": (25 + 5 + 9 + 3) * 4,
+        "accumulators": 0,
+        "refresh_references": 0,
+    }
 
 
 def test_eigenvalue_outer_product_holds_q_a_q_g_and_d() -> None:

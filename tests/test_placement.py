@@ -283,6 +283,38 @@ def test_mem_opt_reduce_holds_one_world_th_of_comm_opt(world_runs) -> None:
         assert total_lean / total_full == pytest.approx(1 / world, rel=1e-9)
 
 
+def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str, int]:
+    """Documented bytes per rank after some steps (README "memory per rank"): running factors
+    where ``factor_reduction`` keeps them, decompositions on the layer's gradient workers, and
+    with adaptive refresh two snapshots of each factor this rank decomposes."""
+    keys = {**KFAC, **scenario["kfac"]}
+    reduction = keys.get("factor_reduction", "allreduce")
+    outer, eigen = keys.get("eigenvalue_outer_product", False), keys.get("compute_method", "eigen") == "eigen"
+    out = {"factors": 0, "decompositions": 0, "refresh_references": 0}
+    for name, (a_worker, g_worker, workers) in results[0]["layers"].items():
+        a, g = results[0]["shapes"][name]
+        held = {"A": a * a if rank == a_worker else 0, "G": g * g if rank == g_worker else 0}
+        if reduction == "allreduce":
+            out["factors"] += 4 * (a * a + g * g) if rank in workers else 0
+        else:
+            out["factors"] += 4 * (held["A"] + held["G"])
+        if rank in workers:
+            floats = a * a + g * g + (a * g if outer else a + g if eigen else 0)
+            out["decompositions"] += 4 * floats
+        if keys["inv_update_steps"] == "adaptive":
+            out["refresh_references"] += 2 * 4 * (held["A"] + held["G"])
+    return out
+
+
+def test_memory_per_rank_matches_the_formula(world_runs) -> None:
+    world, runs = world_runs
+    for name, results in runs.items():
+        scenario = scenarios(world)[name]
+        for rank, result in enumerate(results):
+            got = {k: result["memory"][k] for k in ("factors", "decompositions", "refresh_references")}
+            assert got == expected_memory(scenario, results, rank), (name, rank)
+
+
 def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -> dict[str, int]:
     """Documented payload bytes per step, summed over ranks (broadcasts counted at their source)."""
     keys = {**KFAC, **scenario["kfac"]}
