@@ -71,6 +71,10 @@ PLACEMENT_VARIANTS = {
         "kfac": {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce", "inv_update_steps": "adaptive"},
     },
     "stage0_hybrid_symmetric": {"kfac": {"grad_worker_fraction": 0.5, "symmetric_comm": True}},
+    "stage2_owners_outer_product": {
+        "ds": {"zero_optimization": {"stage": 2}},
+        "kfac": {"grad_worker_fraction": "mem-opt", "eigenvalue_outer_product": True},
+    },
 }
 BF16_VARIANTS = {
     "stage0_bf16": {"bf16": {"enabled": True}},
