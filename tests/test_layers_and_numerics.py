@@ -91,47 +91,40 @@ def test_nonfinite_factor_update_is_skipped() -> None:
     torch.testing.assert_close(kfac.blocks[0].a.value, good_a, rtol=0, atol=0)
 
 
-def test_failed_decomposition_keeps_previous(monkeypatch: pytest.MonkeyPatch) -> None:
+def _second_decomposition_with(monkeypatch: pytest.MonkeyPatch, eigh, **keys) -> None:
+    """Decompose once, then again with ``torch.linalg.eigh`` replaced: the candidate must be
+    rejected (warning, counter) and the first decomposition kept."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2))
-    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1)
+    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1, **keys)
     _backward(model, torch.randn(4, 3))
     kfac.step()
     previous = kfac.blocks[0].state
-
-    def failing_eigh(matrix: torch.Tensor) -> None:
-        raise torch.linalg.LinAlgError("injected")
-
-    monkeypatch.setattr(torch.linalg, "eigh", failing_eigh)
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
     model.zero_grad()
     _backward(model, torch.randn(4, 3))
     with pytest.warns(RuntimeWarning, match=r"decomposition not finite for \['0'\]"):
         kfac.step()
     assert kfac.blocks[0].state is previous
     assert kfac.counters["failed_decompositions"] == 1
+
+
+def test_failed_decomposition_keeps_previous(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_eigh(matrix: torch.Tensor) -> None:
+        raise torch.linalg.LinAlgError("injected")
+
+    _second_decomposition_with(monkeypatch, failing_eigh)
 
 
 def test_nonfinite_eigenvalue_outer_product_keeps_previous(monkeypatch: pytest.MonkeyPatch) -> None:
     """NaN eigenvalues with finite eigenvectors leave only D non-finite: the candidate is still rejected."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 2))
-    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1, eigenvalue_outer_product=True)
-    _backward(model, torch.randn(4, 3))
-    kfac.step()
-    previous = kfac.blocks[0].state
     real = torch.linalg.eigh
 
-    def eigh_nan_values(matrix: torch.Tensor):
+    def eigh_nan_values(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         values, vectors = real(matrix)
         return torch.full_like(values, float("nan")), vectors
 
-    monkeypatch.setattr(torch.linalg, "eigh", eigh_nan_values)
-    model.zero_grad()
-    _backward(model, torch.randn(4, 3))
-    with pytest.warns(RuntimeWarning, match=r"decomposition not finite for \['0'\]"):
-        kfac.step()
-    assert kfac.blocks[0].state is previous
-    assert kfac.counters["failed_decompositions"] == 1
+    _second_decomposition_with(monkeypatch, eigh_nan_values, eigenvalue_outer_product=True)
 
 
 def test_float64_retry_when_float32_fails(monkeypatch: pytest.MonkeyPatch) -> None:
