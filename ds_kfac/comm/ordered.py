@@ -102,7 +102,7 @@ class OrderedBuckets:
     def put(self, unit: int, tensors: Sequence[torch.Tensor]) -> None:
         """Hand over a unit's final tensors; launch every bucket that is now complete, in order."""
         self._store(unit, tensors)
-        launched = self._launch(until=lambda b: b.missing == 0)
+        launched = self._launch(ready=lambda b: b.missing == 0)
         self.overlapped += launched
 
     def finish(self, fill: Callable[[int], Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -113,7 +113,7 @@ class OrderedBuckets:
             for u in b.units:
                 if not self._filled[u]:
                     self._store(u, fill(u))
-        self._launch(until=lambda b: True)
+        self._launch(ready=lambda b: True)
         out = []
         for u, sizes in enumerate(self._sizes):
             bucket = self.buckets[self._bucket_of[u]]
@@ -144,9 +144,10 @@ class OrderedBuckets:
         self._filled[unit] = True
         bucket.missing -= 1
 
-    def _launch(self, until: Callable[[_Bucket], bool]) -> int:
+    def _launch(self, ready: Callable[[_Bucket], bool]) -> int:
+        """Launch buckets from the next one on while ``ready``; return how many."""
         launched = 0
-        while self._next < len(self.buckets) and until(self.buckets[self._next]):
+        while self._next < len(self.buckets) and ready(self.buckets[self._next]):
             b = self.buckets[self._next]
             b.works = []
             for dst, start, end in b.segments:
