@@ -48,6 +48,11 @@ def factor_bytes(kfac: KFACPreconditioner) -> int:
     return sum(4 + 4 * (b.adapter.a_dim**2 + b.adapter.g_dim**2) for b in kfac.blocks)
 
 
+def eigen_bytes(blocks) -> int:
+    """Documented volume of sending these layers' eigendecompositions once: fp32 (Q, v) per factor."""
+    return sum(4 * (d * d + d) for b in blocks for d in (b.adapter.a_dim, b.adapter.g_dim))
+
+
 def assert_ranks_identical(results: list[dict]) -> None:
     for other in results[1:]:
         for p0, p1 in zip(results[0]["params"], other["params"]):
@@ -114,7 +119,7 @@ def test_bytes_on_the_wire_match_the_formula(equivalence_runs: dict, variant: st
     _, kfac = reference(1)
     results = equivalence_runs[variant]
     sharded = variant != "stage0"
-    decompositions = sum(4 * (d * d + d) for b in kfac.blocks for d in (b.adapter.a_dim, b.adapter.g_dim))
+    decompositions = eigen_bytes(kfac.blocks)
     full_gradient = 4 * sum(p.numel() for p in problem.make_model().parameters())
     for step in range(STEPS):
         sent = sum(r["comm"][step]["broadcast"] for r in results)
@@ -138,7 +143,7 @@ def test_zero_owners_move_only_split_layers_decompositions(equivalence_runs: dic
     results = equivalence_runs["stage1_owners_allreduce"]
     split = results[0]["split"]
     assert any(split) and not all(split)
-    shared = sum(4 * (d * d + d) for b, sp in zip(kfac.blocks, split) if sp for d in (b.adapter.a_dim, b.adapter.g_dim))
+    shared = eigen_bytes([b for b, sp in zip(kfac.blocks, split) if sp])
     for step in range(STEPS):
         sent = sum(r["comm"][step]["broadcast"] for r in results)
         assert sent == (shared if step % KFAC["inv_update_steps"] == 0 else 0)
@@ -167,7 +172,7 @@ def test_hybrid_fractions_under_zero_follow_partition_owners(tmp_path: Path) -> 
             owners = set(results[0]["holders"][name])
             assert set(workers) == set().union(*(c for c in columns if c & owners)), name
             assert {a_worker, g_worker} <= set(workers)
-        decompositions = sum(4 * (d * d + d) for b in kfac.blocks for d in (b.adapter.a_dim, b.adapter.g_dim))
+        decompositions = eigen_bytes(kfac.blocks)
         for step in range(STEPS):
             sent = sum(r["comm"][step]["broadcast"] for r in results)
             assert sent == (decompositions if step % KFAC["inv_update_steps"] == 0 else 0)

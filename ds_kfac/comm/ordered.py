@@ -66,11 +66,13 @@ class OrderedBuckets:
         self.buckets: list[_Bucket] = []
         itemsize = torch.empty((), dtype=dtype).element_size()
         current: list[int] = []
+        current_numel = 0
         for u, sizes in enumerate(self._sizes):
-            if current and (sum(sum(self._sizes[v]) for v in current) + sum(sizes)) * itemsize > bucket_bytes:
+            if current and (current_numel + sum(sizes)) * itemsize > bucket_bytes:
                 self._close(current)
-                current = []
+                current, current_numel = [], 0
             current.append(u)
+            current_numel += sum(sizes)
         if current:
             self._close(current)
         self._next = 0
