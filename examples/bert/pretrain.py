@@ -12,7 +12,8 @@ Launch as any DeepSpeed script; the config file says everything about the phase:
 Besides DeepSpeed's keys, the config has a ``"bert"`` section (read here, not
 passed to DeepSpeed): ``model`` (a ``transformers.BertConfig`` JSON),
 ``max_seq_length``, ``max_steps``, ``warmup_proportion``, ``poly_power``,
-``eval_every``, ``save_every``. The learning rate follows NVIDIA's recipe:
+``eval_every``, ``save_every``, ``vocab_size`` (of the tokenizer trained
+when none is given). The learning rate follows NVIDIA's recipe:
 linear warm-up, then ``(1 - progress) ** poly_power`` decay.
 
 Data: ``--text-dir`` (plain-text files), ``--hf-dataset`` (a ``datasets``
@@ -60,6 +61,7 @@ BERT_DEFAULTS = {
     "poly_power": 0.5,
     "eval_every": 25,
     "save_every": 0,
+    "vocab_size": 8192,
 }
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,10 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk")
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained); default: train one")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size when training a tokenizer")
+    parser.add_argument("--vocab-size", type=int, help="override bert.vocab_size (when training a tokenizer)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bert"))
     parser.add_argument("--run-name", help="default: the config file's name")
     parser.add_argument("--max-steps", type=int, help="override bert.max_steps")
+    parser.add_argument("--eval-every", type=int, help="override bert.eval_every")
     parser.add_argument("--init-checkpoint", type=Path, help="start from these weights (phase 2 from phase 1)")
     parser.add_argument("--resume", action="store_true", help="continue this run from its latest checkpoint")
     parser.add_argument(
@@ -81,7 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--held-out-fraction", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initialisation, data order, masks and dropout")
+    parser.add_argument(
+        "--data-seed", type=int, default=0, help="held-out split, tokenizer and held-out masks (fixed across --seed)"
+    )
     parser.add_argument("--local_rank", type=int, default=-1)
     ds_kfac.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -102,15 +108,17 @@ def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
     return factor
 
 
-def load_tokenizer(args: argparse.Namespace, train_docs: list[data.Document], cache: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(
+    args: argparse.Namespace, train_docs: list[data.Document], vocab_size: int, cache: Path
+) -> PreTrainedTokenizerFast:
     """The given tokenizer, or one trained on the training documents (rank 0 trains and caches; others load)."""
     if args.tokenizer is not None:
         return PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
     if dist.get_rank() == 0:
-        tokenizer = data.train_tokenizer(train_docs, args.vocab_size, cache_dir=cache)
+        tokenizer = data.train_tokenizer(train_docs, vocab_size, cache_dir=cache)
     dist.barrier()
     if dist.get_rank() != 0:
-        tokenizer = data.train_tokenizer(train_docs, args.vocab_size, cache_dir=cache)
+        tokenizer = data.train_tokenizer(train_docs, vocab_size, cache_dir=cache)
     return tokenizer
 
 
@@ -141,19 +149,23 @@ def main(argv: list[str] | None = None) -> None:
     bert = {**BERT_DEFAULTS, **config.pop("bert", {})}
     if args.max_steps is not None:
         bert["max_steps"] = args.max_steps
+    if args.eval_every is not None:
+        bert["eval_every"] = args.eval_every
+    if args.vocab_size is not None:
+        bert["vocab_size"] = args.vocab_size
     run_name = args.run_name or Path(args.deepspeed_config).stem
     run_dir = args.output_dir / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
 
     documents = data.load_corpus(args.text_dir, args.hf_dataset, args.text_column)
-    train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.seed)
-    tokenizer = load_tokenizer(args, train_docs, args.output_dir / "tokenizer-cache")
+    train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.data_seed)
+    tokenizer = load_tokenizer(args, train_docs, bert["vocab_size"], args.output_dir / "tokenizer-cache")
     seq = bert["max_seq_length"]
     train_set = data.PretrainingDataset(
         data.build_examples(train_docs, tokenizer, seq, seed=args.seed), tokenizer, seed=args.seed
     )
     held_set = data.PretrainingDataset(
-        data.build_examples(held_docs, tokenizer, seq, seed=args.seed + 1), tokenizer, seed=args.seed + 1
+        data.build_examples(held_docs, tokenizer, seq, seed=args.data_seed + 1), tokenizer, seed=args.data_seed + 1
     )
 
     model_config = json.loads(
@@ -209,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     previous_seconds = (
         float(report.read_metrics(run_dir / "metrics.csv")[-1]["seconds"]) if start_step and rank == 0 else 0.0
     )
-    started = time.perf_counter()
+    train_seconds = 0.0  # optimizer steps only: evaluation and checkpoints are not timed
     bar = tqdm(range(start_step, max_steps), disable=rank != 0, initial=start_step, total=max_steps, dynamic_ncols=True)
     for step in bar:
         epoch, position = divmod(step, steps_per_epoch)
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         train_set.set_epoch(epoch)
         rows = order[position * global_batch : (position + 1) * global_batch].view(accum, world, micro)[:, rank]
         torch.manual_seed(args.seed * 1_000_003 + step * world + rank)  # dropout: a function of the step
+        started = time.perf_counter()
         total = 0.0
         for m in range(accum):
             batch = data.collate([train_set[int(i)] for i in rows[m]], pad)
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
             total += loss.item() / accum
         lr = engine.get_lr()[0]
-        seconds = previous_seconds + time.perf_counter() - started
+        train_seconds += time.perf_counter() - started
+        seconds = previous_seconds + train_seconds
         row: dict[str, object] = {
             "step": step + 1,
             "samples": (step + 1) * global_batch,
@@ -243,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             bar.set_postfix(
                 loss=f"{total:.3f}",
                 lr=f"{lr:.2e}",
-                samples_per_s=f"{(step + 1 - start_step) * global_batch / (time.perf_counter() - started):.1f}",
+                samples_per_s=f"{(step + 1 - start_step) * global_batch / train_seconds:.1f}",
             )
         if (bert["save_every"] and (step + 1) % bert["save_every"] == 0) or last or interrupted:
             engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step + 1}", client_state={"step": step + 1})
