@@ -59,7 +59,7 @@ def _every_backward_ends_a_step() -> bool:
     return True
 
 
-METHOD_KEYS = ("compute_method", "eigenvalue_outer_product")
+METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping")
 """Config keys that decide what a decomposition holds: recorded in a checkpoint, which loads only where they match."""
 
 
@@ -221,7 +221,8 @@ class KFACPreconditioner:
         with self._timed("precondition"):
             damping = resolve(self.config.damping, s)
             mine = [distributor.is_grad_worker(b) for b in blocks]
-            out = [b.precondition(g, damping) if m else None for b, g, m in zip(blocks, grads, mine)]
+            graft = self.config.grafting == "gradient"
+            out = [b.precondition(g, damping, graft) if m else None for b, g, m in zip(blocks, grads, mine)]
             kl_clip = self.config.kl_clip
             if kl_clip is not None:
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]

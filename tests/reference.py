@@ -68,3 +68,21 @@ def precondition_inverse(a: torch.Tensor, g: torch.Tensor, grad: torch.Tensor, d
     gd = g + root / pi * torch.eye(g.shape[0], dtype=g.dtype)
     sol = torch.linalg.solve(torch.kron(ad, gd), vec(grad))
     return unvec(sol, *grad.shape)
+
+
+def mean_eigenvalue(f: torch.Tensor) -> float:
+    return (torch.trace(f) / f.shape[0]).item()
+
+
+def precondition_relative(a: torch.Tensor, g: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """(A (x) G + damping * mean eig(A) * mean eig(G) I)^-1 vec(grad): damping relative to the block's curvature."""
+    return precondition_eigen(a, g, grad, damping * mean_eigenvalue(a) * mean_eigenvalue(g))
+
+
+def precondition_inverse_relative(a: torch.Tensor, g: torch.Tensor, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    """((A + sqrt(d) mean eig(A) I) (x) (G + sqrt(d) mean eig(G) I))^-1 vec(grad)."""
+    root = math.sqrt(damping)
+    ad = a + root * mean_eigenvalue(a) * torch.eye(a.shape[0], dtype=a.dtype)
+    gd = g + root * mean_eigenvalue(g) * torch.eye(g.shape[0], dtype=g.dtype)
+    sol = torch.linalg.solve(torch.kron(ad, gd), vec(grad))
+    return unvec(sol, *grad.shape)

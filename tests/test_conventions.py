@@ -144,6 +144,73 @@ def test_kl_clip_scales_by_nu() -> None:
     torch.testing.assert_close(after - before, -lr * nu * precond, rtol=1e-9, atol=1e-12)
 
 
+RELATIVE_REFERENCES = {
+    "eigen": (ref.precondition_relative, {}),
+    "eigen-outer": (ref.precondition_relative, {"eigenvalue_outer_product": True}),
+    "inverse": (ref.precondition_inverse_relative, {"compute_method": "inverse"}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("method", list(RELATIVE_REFERENCES))
+@pytest.mark.parametrize("case", ["linear_bias", "linear_3d_input", "conv_stride_padding"])
+def test_relative_damping_step_matches_reference(case: str, method: str, dtype: torch.dtype) -> None:
+    """relative_damping: the block is damped by damping * mean eig(A) * mean eig(G) (per factor for inverse)."""
+    torch.manual_seed(6)
+    make_layer, make_input, is_conv = LAYERS[case]
+    layer, x = make_layer(), make_input()
+    target = torch.randn_like(layer(x))
+    damping = 0.05
+    _, a, g, grad = reference_step(layer, x, target, is_conv, "eigen", damping)
+    precondition, keys = RELATIVE_REFERENCES[method]
+    expected = precondition(a, g, grad, damping)
+    # The test must be able to fail: the relative damping differs from the absolute one here.
+    assert not torch.allclose(expected, ref.precondition_eigen(a, g, grad, damping), rtol=1e-3)
+    delta, _ = kfac_sgd_step(layer, x, target, dtype, damping=damping, relative_damping=True, kl_clip=None, **keys)
+    torch.testing.assert_close(delta, -expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_grafting_keeps_the_direction_and_the_gradient_norm(method: str) -> None:
+    """grafting='gradient': each layer's step is P(g) rescaled to ||g||."""
+    torch.manual_seed(7)
+    make_layer, make_input, is_conv = LAYERS["conv_stride_padding"]
+    layer, x = make_layer(), make_input()
+    target = torch.randn_like(layer(x))
+    precond, _, _, grad = reference_step(layer, x, target, is_conv, method, 0.01)
+    expected = precond * (grad.norm() / precond.norm())
+    assert not torch.allclose(expected, precond, rtol=1e-3)
+    keys = dict(damping=0.01, compute_method=method, grafting="gradient", kl_clip=None)
+    delta, _ = kfac_sgd_step(layer, x, target, torch.float64, **keys)
+    torch.testing.assert_close(delta, -expected, **TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_relative_damping_with_grafting_ignores_the_loss_scale(method: str) -> None:
+    """Scaling the loss by s scales G by s^2 and g by s. With relative damping and grafting
+    the update is s times the unscaled one (as plain SGD's), whatever the layer's curvature scale;
+    with absolute damping it is not."""
+    torch.manual_seed(8)
+    make_layer, make_input, _ = LAYERS["linear_bias"]
+    layer, x = make_layer(), make_input()
+    target = torch.randn_like(layer(x))
+
+    def step(scale: float, **keys) -> torch.Tensor:
+        model = copy.deepcopy(layer).double()
+        before = model.weight.detach().clone()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        kfac = KFACPreconditioner(model, optimizer=opt, factor_dtype="float64", inv_dtype="float64", **keys)
+        (scale * loss_fn(model(x.double()), target.double())).backward()
+        kfac.step()
+        opt.step()
+        return model.weight.detach() - before
+
+    keys = dict(damping=0.01, compute_method=method, kl_clip=None, grafting="gradient")
+    torch.testing.assert_close(step(1e-3, relative_damping=True, **keys), 1e-3 * step(1.0, relative_damping=True, **keys))
+    absolute = step(1e-3, **keys) / 1e-3 - step(1.0, **keys)
+    assert absolute.norm() > 1e-3 * step(1.0, **keys).norm()
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 

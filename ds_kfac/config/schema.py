@@ -81,6 +81,8 @@ class KFACConfig(BaseModel):
     inv_update_steps: RefreshSchedule = 10
     adaptive_threshold: float = 0.1
     damping: PositiveSchedule = 0.001
+    relative_damping: bool = False
+    grafting: Literal["none", "gradient"] = "none"
     factor_decay: DecaySchedule = 0.95
     kl_clip: Optional[PositiveSchedule] = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"

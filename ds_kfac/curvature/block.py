@@ -36,11 +36,18 @@ class KFACBlock:
         self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
         self.state: Optional[State] = None
 
-    def precondition(self, grad: torch.Tensor, damping: float) -> torch.Tensor:
-        """``P(grad)`` in the decomposition's dtype; the gradient itself before the first decomposition."""
+    def precondition(self, grad: torch.Tensor, damping: float, graft: bool = False) -> torch.Tensor:
+        """``P(grad)`` in the decomposition's dtype; the gradient itself before the first decomposition.
+
+        With ``graft``, ``P(grad)`` is rescaled to the L2 norm of ``grad`` (layer-wise norm
+        grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
         if self.state is None:
             return grad.to(self.inv_dtype)
-        return self.method.precondition(self.state, grad, damping)
+        out = self.method.precondition(self.state, grad, damping)
+        if graft:
+            norm = out.norm()
+            out.mul_(grad.to(out.dtype).norm() / norm.clamp(min=torch.finfo(norm.dtype).tiny))
+        return out
 
 
 def blocks_device(blocks: Iterable[KFACBlock]) -> torch.device:

@@ -16,6 +16,14 @@
 
     P(g) = (G + sqrt(damping)/pi I)^-1  g  (A + pi sqrt(damping) I)^-1
 
+With ``relative_damping`` the damping is relative to the block's mean
+curvature: ``damping * mean(eig A) * mean(eig G)`` replaces ``damping``
+(``mean(eig F) = tr F / dim F``; the eigenvalues clamped at 0 for the eigen
+methods), so ``P(g)``'s direction does not depend on the scale of a layer's
+factors, which differs by orders of magnitude between layers. For ``inverse``
+this makes the factor dampings ``sqrt(damping) tr A / dim A`` and
+``sqrt(damping) tr G / dim G``.
+
 Decompositions run in ``inv_dtype`` (float32 at least) and are retried in
 float64 when LAPACK fails; eigenvalues are clamped at 0. Whether a result is
 finite is returned as a device tensor, so a caller can check many layers with
@@ -69,6 +77,12 @@ def _in_eigenbasis(
     return qg @ rescale(rotated) @ qa.t()
 
 
+def _floored(damping: torch.Tensor) -> torch.Tensor:
+    """A relative damping kept positive: an all-zero factor (a dead layer, whose gradient is 0 too)
+    then gives ``0 / tiny = 0`` rather than ``0 / 0``."""
+    return damping.clamp(min=torch.finfo(damping.dtype).tiny)
+
+
 def all_finite(state: Optional[State]) -> torch.Tensor:
     """Whether a decomposition exists and is finite, as a device tensor (no host sync)."""
     if state is None:
@@ -87,6 +101,14 @@ class Decomposition(ABC):
     name: str
     colocated: bool
     """Whether both sides must be computed together (on one rank)."""
+
+    def __init__(self, relative_damping: bool = False) -> None:
+        self.relative_damping = relative_damping
+
+    def block_damping(self, damping: float, va: torch.Tensor, vg: torch.Tensor) -> torch.Tensor | float:
+        """The damping of ``A (x) G`` given both eigenvalue sets: ``damping``, or with
+        ``relative_damping`` ``damping * mean(v_A) * mean(v_G)`` (a device tensor, no host sync)."""
+        return _floored(va.mean() * vg.mean() * damping) if self.relative_damping else damping
 
     @abstractmethod
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
@@ -119,7 +141,8 @@ class EigenDecomposition(Decomposition):
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         qa, va, qg, vg = state
-        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(torch.outer(vg, va).add_(damping)))
+        block = self.block_damping(damping, va, vg)
+        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(torch.outer(vg, va).add_(block)))
 
 
 class EigenOuterDecomposition(Decomposition):
@@ -145,7 +168,7 @@ class EigenOuterDecomposition(Decomposition):
         if a_eig is None or g_eig is None:
             return None, None
         (qa, va), (qg, vg) = a_eig, g_eig
-        return (qa,), (qg, torch.outer(vg, va).add_(damping).reciprocal_())
+        return (qa,), (qg, torch.outer(vg, va).add_(self.block_damping(damping, va, vg)).reciprocal_())
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         qa, qg, d = state
@@ -169,13 +192,18 @@ class InverseDecomposition(Decomposition):
             raise ValueError("the inverse method decomposes A and G together")
         a, g = a.to(dtype), g.to(dtype)
         ta, tg = torch.trace(a) / a.shape[0], torch.trace(g) / g.shape[0]
-        # pi balances the damping between the factors; 1 when a trace is not positive.
-        ok = (ta > 0) & (tg > 0)
-        pi = torch.where(ok, torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta))
         root = math.sqrt(damping)
+        if self.relative_damping:
+            # pi * sqrt(damping * ta * tg) and sqrt(damping * ta * tg) / pi.
+            damp_a, damp_g = _floored(root * ta), _floored(root * tg)
+        else:
+            # pi balances the damping between the factors; 1 when a trace is not positive.
+            ok = (ta > 0) & (tg > 0)
+            pi = torch.where(ok, torch.sqrt(ta / tg.clamp(min=torch.finfo(dtype).tiny)), torch.ones_like(ta))
+            damp_a, damp_g = pi * root, root / pi
         eye_a = torch.eye(a.shape[0], dtype=dtype, device=a.device)
         eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
-        return _with_fallback(_inv, a + pi * root * eye_a, dtype), _with_fallback(_inv, g + (root / pi) * eye_g, dtype)
+        return _with_fallback(_inv, a + damp_a * eye_a, dtype), _with_fallback(_inv, g + damp_g * eye_g, dtype)
 
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         a_inv, g_inv = state
@@ -189,5 +217,5 @@ def method_for(config: KFACConfig) -> Decomposition:
     """The decomposition ``config`` asks for: ``compute_method``, refined by ``eigenvalue_outer_product``
     (which the config only accepts with ``"eigen"``)."""
     if config.eigenvalue_outer_product:
-        return EigenOuterDecomposition()
-    return METHODS[config.compute_method]()
+        return EigenOuterDecomposition(config.relative_damping)
+    return METHODS[config.compute_method](config.relative_damping)

@@ -16,6 +16,11 @@ on, and how, is the config's ``"kfac"`` section; everything else (batch size,
 accumulation, ZeRO, bf16/fp16, optimizer, scheduler) is ordinary DeepSpeed
 config.
 
+The config may carry a ``"resnet"`` section (read here, not passed to
+DeepSpeed): ``steps`` or ``epochs``, the run's budget, so that a config whose
+learning-rate schedule is compressed (``WarmupDecayLR``'s ``total_num_steps``)
+also says how long it runs. ``--steps`` and ``--epochs`` override it.
+
 Every run writes ``<output-dir>/<run-name>/metrics.csv``: per step the
 training seconds (evaluation is not timed), loss and learning rate, and the
 held-out accuracy and loss every ``--eval-every`` steps and at the end.
@@ -148,8 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cifar10-dir", type=Path, help="CIFAR-10 python batches; default: embedded digits")
     parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs worth)")
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: resnet.steps, else --epochs worth)")
+    parser.add_argument("--epochs", type=int, help="epochs when no step count is given (default: resnet.epochs, 10)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation, data order and augmentation")
     parser.add_argument("--data-seed", type=int, default=0, help="the held-out split (fixed across --seed)")
     parser.add_argument("--held-out-fraction", type=float, default=0.6, help="digits held out (embedded default)")
@@ -169,11 +174,17 @@ def main() -> None:
         x_tr, y_tr, x_te, y_te = load_digits_default(args.data_seed, args.held_out_fraction)
     torch.manual_seed(args.seed)
     model = ResNet(args.depth, x_tr.shape[1], 10)
-    engine, _, _, _ = ds_kfac.initialize(args=args, model=model, model_parameters=model.parameters())
+    config = json.loads(Path(args.deepspeed_config).read_text())
+    budget = config.pop("resnet", {})
+    unknown = set(budget) - {"steps", "epochs"}
+    if unknown:
+        raise ValueError(f"{args.deepspeed_config}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)")
+    engine, _, _, _ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     global_batch = micro * accum * world
-    steps = args.steps or args.epochs * (len(x_tr) // global_batch)
+    epochs = args.epochs or budget.get("epochs", 10)
+    steps = args.steps or (None if args.epochs else budget.get("steps")) or epochs * (len(x_tr) // global_batch)
     eval_every = args.eval_every or max(1, steps // 20)
     run_dir = args.output_dir / (args.run_name or Path(args.deepspeed_config).stem)
     metrics_csv = run_dir / "metrics.csv"
