@@ -316,16 +316,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def compare(args: argparse.Namespace) -> dict[str, Any]:
-    """Time to target of one finished base run and one finished K-FAC run (``make demo``)."""
-    base, kfac = (read_curve(d / "metrics.csv", args.metric) for d in (args.base_dir, args.kfac_dir))
-    summary = summarize([base], [kfac], args.higher_is_better)
+def compare_runs(base_dir: Path, kfac_dir: Path, metric: str, higher_is_better: bool) -> dict[str, Any]:
+    """Time to target of one finished base run and one finished K-FAC run (``make demo``):
+    prints the table and writes ``time_to_target.png`` beside the runs."""
+    base, kfac = (read_curve(d / "metrics.csv", metric) for d in (base_dir, kfac_dir))
+    summary = summarize([base], [kfac], higher_is_better)
     runs = [
-        {"arm": "base", "label": args.base_dir.name, "curve": base},
-        {"arm": "kfac", "label": args.kfac_dir.name, "curve": kfac},
+        {"arm": "base", "label": base_dir.name, "curve": base},
+        {"arm": "kfac", "label": kfac_dir.name, "curve": kfac},
     ]
-    png = plot(args.base_dir.parent / "time_to_target.png", f"{args.kfac_dir.name} vs {args.base_dir.name}", args.metric, runs, summary["target"])
-    print(table(f"{args.kfac_dir.name} vs {args.base_dir.name}", args.metric, summary))
+    title = f"{kfac_dir.name} vs {base_dir.name}"
+    png = plot(base_dir.parent / "time_to_target.png", title, metric, runs, summary["target"])
+    print(table(title, metric, summary))
     print(f"plot: {png}")
     return summary
 
@@ -348,7 +350,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     c.add_argument("--metric", default="held_out_mlm_loss")
     c.add_argument("--higher-is-better", action="store_true")
     args = parser.parse_args(argv)
-    (run if args.command == "run" else compare)(args)
+    if args.command == "run":
+        run(args)
+    else:
+        compare_runs(args.base_dir, args.kfac_dir, args.metric, args.higher_is_better)
 
 
 if __name__ == "__main__":

@@ -102,3 +102,19 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert summary["target"] == result["runs"][0]["curve"][-1][2]
     assert summary["base_steps"] == 4.0 and math.isfinite(summary["seconds_per_step_ratio"])
     assert (tmp_path / "resnet.png").stat().st_size > 0
+
+
+def test_compare_two_finished_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `make demo` prints: the K-FAC run's time to the base run's final held-out loss, and the plot."""
+    header = "step,samples,seconds,loss,lr,held_out_mlm_loss,held_out_mlm_accuracy\n"
+    for name, rows in {
+        "lamb": ["10,0,1.0,0,0,6.0,0", "20,0,2.0,0,0,5.0,0", "30,0,3.0,0,0,4.5,0"],
+        "kfac": ["10,0,1.5,0,0,5.5,0", "20,0,3.0,0,0,4.5,0", "30,0,4.5,0,0,4.0,0"],
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text(header + "\n".join(rows) + "\n")
+    summary = ttt.compare_runs(tmp_path / "lamb", tmp_path / "kfac", "held_out_mlm_loss", higher_is_better=False)
+    assert summary["target"] == 4.5 and summary["kfac_steps"] == 20.0 and summary["kfac_seconds"] == 3.0
+    out = capsys.readouterr().out
+    assert "| K-FAC (to target) | | 20 | 3.0 | 0.67 | 1.00 (1.00-1.00) | 1.50 | 1/1 |" in out
+    assert (tmp_path / "time_to_target.png").stat().st_size > 0
