@@ -8,6 +8,7 @@ noise hits both arms alike::
     python benchmarks/time_to_target.py run resnet --seeds 0 1 2          # ResNet, embedded digits
     python benchmarks/time_to_target.py run bert --set kfac.damping=0.01  # a study point
     python benchmarks/time_to_target.py compare runs/demo/bert_cpu_phase1_lamb runs/demo/bert_cpu_phase1_kfac
+    python benchmarks/time_to_target.py table benchmarks/results/*.json         # the README's rows
 
 The target is the median over seeds of the base optimizer's final held-out
 metric at its full budget. A run's time to target is the first crossing of the
@@ -344,6 +345,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--smoke", action="store_true", help="a few steps per run: checks the machinery, not the optimizers")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     r.add_argument("extra", nargs="*", help="after --: arguments passed to the example")
+    t = sub.add_parser("table", help="the Markdown table of saved results")
+    t.add_argument("results", type=Path, nargs="+")
     c = sub.add_parser("compare", help="time to target of two finished runs")
     c.add_argument("base_dir", type=Path)
     c.add_argument("kfac_dir", type=Path)
@@ -352,6 +355,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args)
+    elif args.command == "table":
+        for path in args.results:
+            result = json.loads(path.read_text())
+            print(f"{result['command']}\n")
+            print(table(result["task"], result["settings"]["metric"], result["summary"]) + "\n")
     else:
         compare_runs(args.base_dir, args.kfac_dir, args.metric, args.higher_is_better)
 

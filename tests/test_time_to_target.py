@@ -118,3 +118,18 @@ def test_compare_two_finished_runs(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "| K-FAC (to target) | | 20 | 3.0 | 0.67 | 1.00 (1.00-1.00) | 1.50 | 1/1 |" in out
     assert (tmp_path / "time_to_target.png").stat().st_size > 0
+
+
+def test_table_of_the_committed_results(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's time-to-target rows come from benchmarks/results/*.json: each has 3+ seeds and its command."""
+    paths = sorted((ROOT / "benchmarks/results").glob("*.json"))
+    assert {p.stem for p in paths} >= {"bert", "resnet"}
+    ttt.main(["table", *map(str, paths)])
+    out = capsys.readouterr().out
+    for path in paths:
+        result = json.loads(path.read_text())
+        assert len(result["settings"]["seeds"]) >= 3 and result["command"] in out
+        base = [r["curve"] for r in result["runs"] if r["arm"] == "base"]
+        kfac = [r["curve"] for r in result["runs"] if r["arm"] == "kfac"]
+        # The stored summary is what the stored curves give.
+        assert ttt.summarize(base, kfac, result["settings"]["higher_is_better"]) == result["summary"]
