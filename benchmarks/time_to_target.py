@@ -239,7 +239,9 @@ def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra:
     log = out / f"{run_name}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f:
-        proc = subprocess.Popen([*cmd, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [*cmd, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -287,9 +289,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             load = os.getloadavg()[0]
             launch(task, path, seed, out, name, extra, args.timeout)
             curve = read_curve(out / name / "metrics.csv", task.metric)
-            runs.append({"arm": arm, "seed": seed, "label": f"{arm} ({Path(task.base_config if arm == 'base' else task.kfac_config).stem})", "load_before": load, "curve": curve})
-            print(f"{name}: final {task.metric} {curve[-1][2]:.4f} at step {curve[-1][0]:.0f}, {curve[-1][1]:.1f}s", flush=True)
-    by = {arm: [next(r for r in runs if r["arm"] == arm and r["seed"] == s)["curve"] for s in args.seeds] for arm in ARMS}
+            runs.append(
+                {
+                    "arm": arm,
+                    "seed": seed,
+                    "label": f"{arm} ({Path(task.base_config if arm == 'base' else task.kfac_config).stem})",
+                    "load_before": load,
+                    "curve": curve,
+                }
+            )
+            print(
+                f"{name}: final {task.metric} {curve[-1][2]:.4f} at step {curve[-1][0]:.0f}, {curve[-1][1]:.1f}s",
+                flush=True,
+            )
+    by = {
+        arm: [next(r for r in runs if r["arm"] == arm and r["seed"] == s)["curve"] for s in args.seeds] for arm in ARMS
+    }
     summary = summarize(by["base"], by["kfac"], task.higher_is_better)
     result = {
         "task": args.task,
@@ -312,7 +327,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "summary": summary,
     }
     (args.out / f"{args.task}.json").write_text(json.dumps(result, indent=1))
-    plot(args.out / f"{args.task}.png", f"time to target: {args.task}, {len(args.seeds)} seeds, 2 ranks", task.metric, runs, summary["target"])
+    plot(
+        args.out / f"{args.task}.png",
+        f"time to target: {args.task}, {len(args.seeds)} seeds, 2 ranks",
+        task.metric,
+        runs,
+        summary["target"],
+    )
     print(table(args.task, task.metric, summary))
     return result
 

@@ -206,7 +206,9 @@ def test_relative_damping_with_grafting_ignores_the_loss_scale(method: str) -> N
         return model.weight.detach() - before
 
     keys = dict(damping=0.01, compute_method=method, kl_clip=None, grafting="gradient")
-    torch.testing.assert_close(step(1e-3, relative_damping=True, **keys), 1e-3 * step(1.0, relative_damping=True, **keys))
+    torch.testing.assert_close(
+        step(1e-3, relative_damping=True, **keys), 1e-3 * step(1.0, relative_damping=True, **keys)
+    )
     absolute = step(1e-3, **keys) / 1e-3 - step(1.0, **keys)
     assert absolute.norm() > 1e-3 * step(1.0, **keys).norm()
 

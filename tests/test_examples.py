@@ -92,6 +92,11 @@ def test_random_shift_moves_each_image_within_bounds() -> None:
     for i in range(2):
         # Some translation by at most one pixel per axis, zero filled: find it.
         padded = torch.nn.functional.pad(x[i], (1, 1, 1, 1))
-        matches = [(dy, dx) for dy in range(3) for dx in range(3) if torch.equal(padded[:, dy : dy + 4, dx : dx + 4], shifted[i])]
+        matches = [
+            (dy, dx)
+            for dy in range(3)
+            for dx in range(3)
+            if torch.equal(padded[:, dy : dy + 4, dx : dx + 4], shifted[i])
+        ]
         assert matches, i
     assert torch.equal(resnet.random_shift(x, 0, torch.Generator()), x)

@@ -73,7 +73,9 @@ def test_summary_when_most_runs_miss_is_never() -> None:
 
 def test_overrides_and_curve_reading(tmp_path: Path) -> None:
     config = {"kfac": {"damping": 0.003}, "optimizer": {"params": {"lr": 0.1}}}
-    out = ttt.apply_overrides(config, ["kfac.damping=0.01", "optimizer.params.lr=0.2", "kfac.grad_worker_fraction=mem-opt"])
+    out = ttt.apply_overrides(
+        config, ["kfac.damping=0.01", "optimizer.params.lr=0.2", "kfac.grad_worker_fraction=mem-opt"]
+    )
     assert out == {"kfac": {"damping": 0.01, "grad_worker_fraction": "mem-opt"}, "optimizer": {"params": {"lr": 0.2}}}
     assert config["kfac"]["damping"] == 0.003  # the input is not modified
     with pytest.raises(ValueError, match="KEY.PATH=VALUE"):

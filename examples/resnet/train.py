@@ -178,7 +178,9 @@ def main() -> None:
     budget = config.pop("resnet", {})
     unknown = set(budget) - {"steps", "epochs"}
     if unknown:
-        raise ValueError(f"{args.deepspeed_config}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)")
+        raise ValueError(
+            f"{args.deepspeed_config}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)"
+        )
     engine, _, _, _ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -223,7 +225,10 @@ def main() -> None:
             accuracy, test_loss = evaluate(engine, x_te, y_te)
             row[4:] = [f"{accuracy:.6f}", f"{test_loss:.6f}"]
             if rank == 0:
-                print(f"step {step + 1:>5}  loss {total:.4f}  held-out accuracy {accuracy:.4f}  {seconds:.1f}s", flush=True)
+                print(
+                    f"step {step + 1:>5}  loss {total:.4f}  held-out accuracy {accuracy:.4f}  {seconds:.1f}s",
+                    flush=True,
+                )
         if rank == 0:
             with metrics_csv.open("a", newline="") as f:
                 csv.writer(f).writerow(row)
