@@ -218,6 +218,23 @@ def test_state_dict_refuses_other_eigenvalue_outer_product() -> None:
         plain.load_state_dict(outer.state_dict())
 
 
+def test_state_dict_refuses_other_relative_damping() -> None:
+    """relative_damping changes what damping means (and what inverse/outer-product states hold)."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    absolute = KFACPreconditioner(model, lr=0.1)
+    relative = KFACPreconditioner(copy.deepcopy(model), lr=0.1, relative_damping=True)
+    _backward(model, torch.randn(2, 4))
+    absolute.step()
+    with pytest.raises(ValueError, match="saved with relative_damping=False, this run uses True"):
+        relative.load_state_dict(absolute.state_dict())
+    # A checkpoint from before the key existed was saved with its default.
+    older = absolute.state_dict()
+    del older["relative_damping"]
+    absolute.load_state_dict(older)
+    with pytest.raises(ValueError, match="saved with relative_damping=False"):
+        relative.load_state_dict(older)
+
+
 def test_kl_clip_needs_a_learning_rate() -> None:
     with pytest.raises(KFACConfigError, match="kl_clip needs the learning rate"):
         KFACPreconditioner(nn.Linear(2, 2))

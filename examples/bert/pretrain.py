@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--stop-after", type=int, help="save a checkpoint and exit after this many steps (a job's time limit)"
     )
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-batches", type=int, default=32, help="held-out micro-batches per evaluation")
     parser.add_argument("--held-out-fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0, help="initialisation, data order, masks and dropout")
     parser.add_argument(
