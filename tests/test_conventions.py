@@ -31,6 +31,14 @@ LAYERS = {
 TOLERANCES = {torch.float64: dict(rtol=1e-9, atol=1e-12), torch.float32: dict(rtol=2e-3, atol=1e-5)}
 
 
+def _problem(case: str, seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, bool]:
+    """One of LAYERS, seeded: the layer, an input, a regression target and whether it is a conv."""
+    torch.manual_seed(seed)
+    make_layer, make_input, is_conv = LAYERS[case]
+    layer, x = make_layer(), make_input()
+    return layer, x, torch.randn_like(layer(x)), is_conv
+
+
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean() + out.sin().mean()
 
@@ -73,10 +81,7 @@ def kfac_sgd_step(layer: nn.Module, x: torch.Tensor, target: torch.Tensor, dtype
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 @pytest.mark.parametrize("case", list(LAYERS))
 def test_one_step_is_minus_preconditioned_gradient(case: str, method: str, dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    make_layer, make_input, is_conv = LAYERS[case]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, is_conv = _problem(case, seed=0)
     damping = 0.01
     expected, *_ = reference_step(layer, x, target, is_conv, method, damping)
     delta, kfac = kfac_sgd_step(layer, x, target, dtype, damping=damping, compute_method=method, kl_clip=None)
@@ -88,10 +93,7 @@ def test_one_step_is_minus_preconditioned_gradient(case: str, method: str, dtype
 @pytest.mark.parametrize("case", list(LAYERS))
 def test_eigenvalue_outer_product_step_matches_reference_and_eigen(case: str, dtype: torch.dtype) -> None:
     """Precomputing D = 1 / (v_G v_A^T + damping) changes the arithmetic, not P(g)."""
-    torch.manual_seed(0)
-    make_layer, make_input, is_conv = LAYERS[case]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, is_conv = _problem(case, seed=0)
     damping = 0.01
     expected, *_ = reference_step(layer, x, target, is_conv, "eigen", damping)
     keys = dict(damping=damping, kl_clip=None)
@@ -104,10 +106,7 @@ def test_eigenvalue_outer_product_step_matches_reference_and_eigen(case: str, dt
 
 @pytest.mark.parametrize("case", ["linear_3d_input", "conv_stride_padding"])
 def test_factors_match_reference(case: str) -> None:
-    torch.manual_seed(1)
-    make_layer, make_input, is_conv = LAYERS[case]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, is_conv = _problem(case, seed=1)
     _, a, g, _ = reference_step(layer, x, target, is_conv, "eigen", 0.01)
     _, kfac = kfac_sgd_step(layer, x, target, torch.float64, kl_clip=None)
     block = kfac.blocks[0]
@@ -116,10 +115,7 @@ def test_factors_match_reference(case: str) -> None:
 
 
 def test_kl_clip_scales_by_nu() -> None:
-    torch.manual_seed(2)
-    make_layer, make_input, is_conv = LAYERS["linear_bias"]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, is_conv = _problem("linear_bias", seed=2)
     damping, lr, kl = 0.01, 0.5, 1e-4
     precond, _, _, grad = reference_step(layer, x, target, is_conv, "eigen", damping)
     nu = min(1.0, (kl / (lr**2 * abs((precond * grad).sum().item()))) ** 0.5)
@@ -156,10 +152,7 @@ RELATIVE_REFERENCES = {
 @pytest.mark.parametrize("case", ["linear_bias", "linear_3d_input", "conv_stride_padding"])
 def test_relative_damping_step_matches_reference(case: str, method: str, dtype: torch.dtype) -> None:
     """relative_damping: the block is damped by damping * mean eig(A) * mean eig(G) (per factor for inverse)."""
-    torch.manual_seed(6)
-    make_layer, make_input, is_conv = LAYERS[case]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, is_conv = _problem(case, seed=6)
     damping = 0.05
     _, a, g, grad = reference_step(layer, x, target, is_conv, "eigen", damping)
     precondition, keys = RELATIVE_REFERENCES[method]
@@ -173,10 +166,7 @@ def test_relative_damping_step_matches_reference(case: str, method: str, dtype: 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_grafting_keeps_the_direction_and_the_gradient_norm(method: str) -> None:
     """grafting='gradient': each layer's step is P(g) rescaled to ||g||."""
-    torch.manual_seed(7)
-    make_layer, make_input, is_conv = LAYERS["conv_stride_padding"]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, is_conv = _problem("conv_stride_padding", seed=7)
     precond, _, _, grad = reference_step(layer, x, target, is_conv, method, 0.01)
     expected = precond * (grad.norm() / precond.norm())
     assert not torch.allclose(expected, precond, rtol=1e-3)
@@ -190,10 +180,7 @@ def test_relative_damping_with_grafting_ignores_the_loss_scale(method: str) -> N
     """Scaling the loss by s scales G by s^2 and g by s. With relative damping and grafting
     the update is s times the unscaled one (as plain SGD's), whatever the layer's curvature scale;
     with absolute damping it is not."""
-    torch.manual_seed(8)
-    make_layer, make_input, _ = LAYERS["linear_bias"]
-    layer, x = make_layer(), make_input()
-    target = torch.randn_like(layer(x))
+    layer, x, target, _ = _problem("linear_bias", seed=8)
 
     def step(scale: float, **keys) -> torch.Tensor:
         model = copy.deepcopy(layer).double()

@@ -206,33 +206,24 @@ def test_state_dict_mismatch_names_the_difference() -> None:
         KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), lr=0.1, compute_method="inverse").load_state_dict(state)
 
 
-def test_state_dict_refuses_other_eigenvalue_outer_product() -> None:
+@pytest.mark.parametrize("key", ["eigenvalue_outer_product", "relative_damping"])
+def test_state_dict_refuses_another_method_key(key: str) -> None:
+    """Keys that change what a decomposition holds or what damping means must match on load; a
+    checkpoint from before a key existed counts as saved with its default (False)."""
     model = nn.Sequential(nn.Linear(4, 3))
-    plain = KFACPreconditioner(model, lr=0.1)
-    outer = KFACPreconditioner(copy.deepcopy(model), lr=0.1, eigenvalue_outer_product=True)
+    default = KFACPreconditioner(model, lr=0.1)
+    other = KFACPreconditioner(copy.deepcopy(model), lr=0.1, **{key: True})
     _backward(model, torch.randn(2, 4))
-    plain.step()
-    with pytest.raises(ValueError, match="saved with eigenvalue_outer_product=False, this run uses True"):
-        outer.load_state_dict(plain.state_dict())
-    with pytest.raises(ValueError, match="saved with eigenvalue_outer_product=True, this run uses False"):
-        plain.load_state_dict(outer.state_dict())
-
-
-def test_state_dict_refuses_other_relative_damping() -> None:
-    """relative_damping changes what damping means (and what inverse/outer-product states hold)."""
-    model = nn.Sequential(nn.Linear(4, 3))
-    absolute = KFACPreconditioner(model, lr=0.1)
-    relative = KFACPreconditioner(copy.deepcopy(model), lr=0.1, relative_damping=True)
-    _backward(model, torch.randn(2, 4))
-    absolute.step()
-    with pytest.raises(ValueError, match="saved with relative_damping=False, this run uses True"):
-        relative.load_state_dict(absolute.state_dict())
-    # A checkpoint from before the key existed was saved with its default.
-    older = absolute.state_dict()
-    del older["relative_damping"]
-    absolute.load_state_dict(older)
-    with pytest.raises(ValueError, match="saved with relative_damping=False"):
-        relative.load_state_dict(older)
+    default.step()
+    with pytest.raises(ValueError, match=f"saved with {key}=False, this run uses True"):
+        other.load_state_dict(default.state_dict())
+    with pytest.raises(ValueError, match=f"saved with {key}=True, this run uses False"):
+        default.load_state_dict(other.state_dict())
+    older = default.state_dict()
+    del older[key]
+    default.load_state_dict(older)
+    with pytest.raises(ValueError, match=f"saved with {key}=False"):
+        other.load_state_dict(older)
 
 
 def test_kl_clip_needs_a_learning_rate() -> None:

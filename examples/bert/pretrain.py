@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"plot: {report.plot(args.output_dir)}")
     dist.barrier()
     ds_kfac.release_deepspeed_shm()
+    # Every group, K-FAC's own included: a rank that exits with live gloo groups can abort in teardown.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
