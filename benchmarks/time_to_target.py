@@ -145,7 +145,7 @@ def _fmt(x: Optional[float], spec: str) -> str:
 def table(name: str, metric: str, summary: dict[str, Any]) -> str:
     """A Markdown table of one task's summary."""
     s = summary
-    paired = [r for r in s["paired_seconds_ratios"]]
+    paired = s["paired_seconds_ratios"]
     spread = "-" if any(r is None for r in paired) else f"{min(paired):.2f}-{max(paired):.2f}"
     reached_count = sum(r is not None for r in s["kfac_reached"])
     return "\n".join(
@@ -230,7 +230,7 @@ def free_port() -> int:
 def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra: Sequence[str], timeout: float) -> None:
     """One run through the ``deepspeed`` launcher on 2 local ranks, in its own process session:
     on failure or timeout the whole group is killed and its DeepSpeed shm segments removed."""
-    from ds_kfac.integration.cleanup import SHM_DIR, SHM_PREFIX
+    from ds_kfac.integration.cleanup import release_port_segments
 
     port = str(free_port())
     deepspeed = Path(sys.executable).with_name("deepspeed")
@@ -250,8 +250,7 @@ def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            for segment in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
-                segment.unlink(missing_ok=True)
+            release_port_segments(port)
     if code != 0:
         why = f"timed out after {timeout:.0f}s" if code is None else f"failed with exit code {code}"
         raise RuntimeError(f"run {run_name} {why}; see {log}")
@@ -280,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kfac = apply_overrides(json.loads((ROOT / task.kfac_config).read_text()), args.set)
     configs = {"base": base, "kfac": kfac}
     extra = list(task.smoke_args if args.smoke else ()) + list(args.extra)
-    runs = []
+    runs, curves = [], {}
     for i, seed in enumerate(args.seeds):
         for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
             name = f"{arm}-seed{seed}"
@@ -288,7 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             path.write_text(json.dumps(configs[arm], indent=1))
             load = os.getloadavg()[0]
             launch(task, path, seed, out, name, extra, args.timeout)
-            curve = read_curve(out / name / "metrics.csv", task.metric)
+            curve = curves[arm, seed] = read_curve(out / name / "metrics.csv", task.metric)
             runs.append(
                 {
                     "arm": arm,
@@ -302,10 +301,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{name}: final {task.metric} {curve[-1][2]:.4f} at step {curve[-1][0]:.0f}, {curve[-1][1]:.1f}s",
                 flush=True,
             )
-    by = {
-        arm: [next(r for r in runs if r["arm"] == arm and r["seed"] == s)["curve"] for s in args.seeds] for arm in ARMS
-    }
-    summary = summarize(by["base"], by["kfac"], task.higher_is_better)
+    summary = summarize(
+        [curves["base", s] for s in args.seeds], [curves["kfac", s] for s in args.seeds], task.higher_is_better
+    )
     result = {
         "task": args.task,
         "command": " ".join(["python", "benchmarks/time_to_target.py", *sys.argv[1:]]),

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ds_kfac.integration.cleanup import SHM_DIR, SHM_PREFIX
+from ds_kfac.integration.cleanup import release_port_segments
 
 WORKERS = Path(__file__).parent / "workers"
 BIN = Path(sys.executable).parent
@@ -41,9 +41,7 @@ def run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]] = N
     finally:
         for cmd in cmds:
             if "--master_port" in cmd:
-                port = cmd[cmd.index("--master_port") + 1]
-                for segment in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
-                    segment.unlink(missing_ok=True)
+                release_port_segments(cmd[cmd.index("--master_port") + 1])
 
 
 def _run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]]) -> list[str]:

@@ -30,3 +30,10 @@ def release_deepspeed_shm() -> None:
     peers map their neighbours' segments while collectives run."""
     if dist.is_available() and dist.is_initialized():
         shm_segment(dist.get_rank()).unlink(missing_ok=True)
+
+
+def release_port_segments(port: str | int) -> None:
+    """Unlink every rank's segment of the job that used ``port`` (any address): for a launcher
+    whose ranks were killed before they could release their own."""
+    for segment in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
+        segment.unlink(missing_ok=True)
