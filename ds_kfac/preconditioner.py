@@ -19,13 +19,11 @@ contract documented in ``docs/conventions.md`` and pinned by ``tests/``.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -33,9 +31,10 @@ from torch import nn
 
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
-from .curvature import AdaptiveRefresh, KFACBlock, all_finite, blocks_device, method_for
+from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
 from .layers import SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout
+from .timing import PhaseTimer
 
 LossScale = Callable[[], Union[float, torch.Tensor]]
 
@@ -47,9 +46,20 @@ class Snapshot:
     steps: int
     blocks: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[tuple]]]
     counters: dict[str, int]
-    nonfinite_factors: Optional[torch.Tensor]
     last_nu: Optional[torch.Tensor]
     refresh: Optional[dict]
+    pending: Optional["PendingDecompositions"]
+
+
+@dataclass
+class PendingDecompositions:
+    """Decompositions running in the background (``async_decompositions``): started from the
+    factors of step ``started``, installed at the start of step ``install_at``."""
+
+    started: int
+    install_at: int
+    blocks: list[KFACBlock]
+    job: Background
 
 
 STATE_VERSION = 1
@@ -59,8 +69,9 @@ def _every_backward_ends_a_step() -> bool:
     return True
 
 
-METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping")
-"""Config keys that decide what a decomposition holds: recorded in a checkpoint, which loads only where they match."""
+METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping", "conv_factors")
+"""Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
+they match."""
 
 
 class KFACPreconditioner:
@@ -131,7 +142,9 @@ class KFACPreconditioner:
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
 
-        layers, self.skipped_layers = find_layers(model, self.config.skip_layers, self.config.max_factor_dim)
+        layers, self.skipped_layers = find_layers(
+            model, self.config.skip_layers, self.config.max_factor_dim, conv_factors=self.config.conv_factors
+        )
         method = method_for(self.config)
         self.blocks = [
             KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
@@ -150,8 +163,9 @@ class KFACPreconditioner:
         self.steps = 0
         self.last_nu: Optional[torch.Tensor] = None
         self.counters: dict[str, int] = defaultdict(int)
-        self.timings: dict[str, float] = defaultdict(float)
-        self._nonfinite_factors: Optional[torch.Tensor] = None
+        self.timer = PhaseTimer()
+        self._pending: Optional[PendingDecompositions] = None
+        self._stacks = StackedStates()
         self._reported_missing: set[str] = set()
         self._seen: set[str] = set()  # layers that have had factors (the same set on every rank)
         self._collecting = True
@@ -165,22 +179,24 @@ class KFACPreconditioner:
             return
         if not self.distributor.collects(block):
             return
-        self._refuse_after_hand_over(block)
-        x = inputs[0]
-        block.a.accumulate(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x)))
+        with self.timer.phase("hooks"):
+            self._refuse_after_hand_over(block)
+            x = inputs[0]
+            block.a.accumulate(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x)))
 
     def _output_grad_hook(self, block: KFACBlock, batch_size: int, grad: torch.Tensor) -> None:
-        # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
-        self._refuse_after_hand_over(block)
-        scale = self.loss_scale() if self.loss_scale is not None else 1.0
-        block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
-        # Complete once every forward call of the step has had its backward (counts, so that
-        # a layer called several times per micro-batch waits for its last call).
-        done = self._last_micro_batch is not None and block.g.pending == block.a.pending
-        if done and self._last_micro_batch():
-            self.distributor.statistics_ready(block)
+        with self.timer.phase("hooks"):
+            # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
+            self._refuse_after_hand_over(block)
+            scale = self.loss_scale() if self.loss_scale is not None else 1.0
+            block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
+            # Complete once every forward call of the step has had its backward (counts, so that
+            # a layer called several times per micro-batch waits for its last call).
+            done = self._last_micro_batch is not None and block.g.pending == block.a.pending
+            if done and self._last_micro_batch():
+                self.distributor.statistics_ready(block)
 
     def _refuse_after_hand_over(self, block: KFACBlock) -> None:
         if self.distributor.handed_over(block):
@@ -218,11 +234,15 @@ class KFACPreconditioner:
         s = self.steps
         distributor = self.distributor
         blocks, grads, fragments = layout.gather(self.blocks)
-        with self._timed("precondition"):
+        with self.timer.phase("precondition"):
             damping = resolve(self.config.damping, s)
             mine = [distributor.is_grad_worker(b) for b in blocks]
             graft = self.config.grafting == "gradient"
-            out = [b.precondition(g, damping, graft) if m else None for b, g, m in zip(blocks, grads, mine)]
+            chosen = [i for i, m in enumerate(mine) if m]
+            results = self._stacks.precondition([blocks[i] for i in chosen], [grads[i] for i in chosen], damping, graft)
+            out: list[Optional[torch.Tensor]] = [None] * len(blocks)
+            for i, result in zip(chosen, results):
+                out[i] = result
             kl_clip = self.config.kl_clip
             if kl_clip is not None:
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
@@ -249,23 +269,50 @@ class KFACPreconditioner:
     def update_curvature(self) -> None:
         """Steps 2 and 3 of the flow: fold in this step's factors, decompose when scheduled."""
         s = self.steps
+        if self._pending is not None and s >= self._pending.install_at:
+            with self.timer.phase("decompose"):
+                self._adopt(*self.distributor.share_sides(self._pending.blocks, *self._pending.job.result()))
+            self._pending = None
         if self._collecting:
-            with self._timed("factors"):
-                self._update_factors(resolve(self.config.factor_decay, s))
+            self._update_factors(resolve(self.config.factor_decay, s))
         damping = resolve(self.config.damping, s)
         if self.refresh is not None:
             due = [key for key in self.refresh.due(s) if key[0] in self._seen]
             if due:
-                with self._timed("decompose"):
+                with self.timer.phase("decompose"):
                     intervals = self.distributor.agree_intervals(due, self.refresh.decide)
                     self._update_decompositions(damping, set(due))
                     for (name, side), interval in zip(due, intervals):
                         factor = self._by_name[name].a if side == "A" else self._by_name[name].g
                         held = self.distributor.holds(name, side)
                         self.refresh.refreshed((name, side), s, interval, factor.value if held else None)
-        elif s % resolve(self.config.inv_update_steps, s) == 0:
-            with self._timed("decompose"):
-                self._update_decompositions(damping)
+        elif self._is_decomposition_step(s):
+            with self.timer.phase("decompose"):
+                if self.config.async_decompositions:
+                    self._start_decompositions(s)
+                else:
+                    self._update_decompositions(damping)
+
+    def _start_decompositions(self, started: int) -> None:
+        """Start the decompositions of step ``started``'s factors in the background, to be installed at
+        the next step that updates factors or decomposes (every rank computes the same step, so ranks
+        agree). The factors are not changed before then, so a checkpoint in between can restart it."""
+        install_at = started + 1
+        while not (self._is_factor_step(install_at) or self._is_decomposition_step(install_at)):
+            install_at += 1
+        self._run_in_background(started, install_at)
+
+    def _run_in_background(self, started: int, install_at: int) -> None:
+        seen = [b for b in self.blocks if b.name in self._seen]
+        damping = resolve(self.config.damping, started)
+        job = Background(partial(self.distributor.compute_sides, seen, damping), blocks_device(self.blocks))
+        self._pending = PendingDecompositions(started, install_at, seen, job)
+
+    def _is_factor_step(self, step: int) -> bool:
+        return step % resolve(self.config.factor_update_steps, step) == 0
+
+    def _is_decomposition_step(self, step: int) -> bool:
+        return step % resolve(self.config.inv_update_steps, step) == 0
 
     def finish_step(self) -> None:
         """Advance the step counter and arm the hooks for the next step."""
@@ -274,13 +321,20 @@ class KFACPreconditioner:
 
     def _arm_hooks(self) -> None:
         """Collect factors during the step in progress iff ``steps % factor_update_steps == 0``."""
-        self._collecting = self.steps % resolve(self.config.factor_update_steps, self.steps) == 0
+        self._collecting = self._is_factor_step(self.steps)
 
     def _update_factors(self, decay: float) -> None:
-        flags = self.distributor.update_factors(self._blocks_with_statistics(), decay)
-        if flags:
-            bad = (~torch.stack(flags)).sum()
-            self._nonfinite_factors = bad if self._nonfinite_factors is None else self._nonfinite_factors + bad
+        with self.timer.phase("factor_comm"):
+            reduced = self.distributor.reduce_factors(self._blocks_with_statistics())
+        with self.timer.phase("factors"):
+            bad = self.distributor.fold_factors(reduced, decay)
+        if bad:
+            self.counters["nonfinite_factor_updates"] += bad
+            warnings.warn(
+                f"K-FAC skipped {bad} non-finite factor update(s) (each keeps its previous running average)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _blocks_with_statistics(self) -> list[KFACBlock]:
         """Blocks whose hooks fired this step, agreed on by all ranks; report (once) and
@@ -319,20 +373,15 @@ class KFACPreconditioner:
 
     def _update_decompositions(self, damping: float, due: Optional[set[tuple[str, str]]] = None) -> None:
         seen = [b for b in self.blocks if b.name in self._seen]
-        chosen, states = self.distributor.decompose(seen, damping, due)
+        self._adopt(*self.distributor.decompose(seen, damping, due))
+
+    def _adopt(self, chosen: list[KFACBlock], states: list[tuple]) -> None:
+        """Install the candidate decompositions that are finite; keep the previous ones of the others."""
         candidates = list(zip(chosen, states))
         if not candidates:
             return
         flags = [all_finite(state).to(blocks_device(self.blocks)) for _, state in candidates]
-        if self._nonfinite_factors is not None:
-            flags.append(self._nonfinite_factors == 0)
         ok = torch.stack(flags).tolist()  # the one host sync of a decomposition step
-        if self._nonfinite_factors is not None:
-            bad_factors = int(self._nonfinite_factors) if not ok.pop() else 0
-            self._nonfinite_factors = None
-            if bad_factors:
-                self.counters["nonfinite_factor_updates"] += bad_factors
-                warnings.warn(f"K-FAC skipped {bad_factors} non-finite factor update(s)", RuntimeWarning, stacklevel=3)
         failed = []
         for (block, state), good in zip(candidates, ok):
             if good:
@@ -355,9 +404,9 @@ class KFACPreconditioner:
             steps=self.steps,
             blocks=[(b.a.value, b.g.value, b.state) for b in self.blocks],
             counters=dict(self.counters),
-            nonfinite_factors=self._nonfinite_factors,
             last_nu=self.last_nu,
             refresh=self.refresh.snapshot() if self.refresh is not None else None,
+            pending=self._pending,
         )
 
     def restore(self, snap: "Snapshot") -> None:
@@ -367,17 +416,16 @@ class KFACPreconditioner:
         self.discard_step_statistics()
         self.steps = snap.steps
         self.counters = defaultdict(int, snap.counters)
-        self._nonfinite_factors = snap.nonfinite_factors
         self.last_nu = snap.last_nu
         if self.refresh is not None:
             self.refresh.restore(snap.refresh)
+        self._pending = snap.pending
         self._arm_hooks()
 
-    @contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.timings[phase] += time.perf_counter() - start
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase since the last ``timings.clear()`` (see :mod:`ds_kfac.timing`)."""
+        return self.timer.seconds
 
     # ------------------------------------------------------------ inspection
     def memory_usage(self) -> dict[str, int]:
@@ -410,15 +458,15 @@ class KFACPreconditioner:
         """All K-FAC state, world-size and placement independent: whole factors and
         decompositions per layer, gathered from the ranks that hold them. Collective:
         call it on every rank (as ``engine.save_checkpoint`` is)."""
-        if self._nonfinite_factors is not None:
-            self.counters["nonfinite_factor_updates"] += int(self._nonfinite_factors)
-            self._nonfinite_factors = None
+        p = self._pending
         return {
             "version": STATE_VERSION,
             "steps": self.steps,
             **{key: getattr(self.config, key) for key in METHOD_KEYS},
             "counters": dict(self.counters),
             "refresh": self.refresh.state_dict() if self.refresh is not None else None,
+            # Restarted on load from the saved factors, which are those it started from.
+            "pending_decompositions": None if p is None else {"started": p.started, "install_at": p.install_at},
             "layers": {
                 name: {"shape": (self._by_name[name].adapter.a_dim, self._by_name[name].adapter.g_dim), **entry}
                 for name, entry in self.distributor.gather_state(self._local_state()).items()
@@ -427,7 +475,8 @@ class KFACPreconditioner:
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
         state = {
-            b.name: {"A": b.a.value, "G": b.g.value, "state": None if b.state is None else list(b.state)}
+            # Cloned: a state is a view into its shape's stack, which would be saved whole.
+            b.name: {"A": b.a.value, "G": b.g.value, "state": None if b.state is None else [t.clone() for t in b.state]}
             for b in self.blocks
         }
         if self.refresh is not None:
@@ -482,7 +531,10 @@ class KFACPreconditioner:
                 )
         self.steps = state["steps"]
         self.counters = defaultdict(int, state["counters"])
-        self._nonfinite_factors = None
+        pending = state.get("pending_decompositions")
+        self._pending = None
+        if pending is not None:
+            self._run_in_background(pending["started"], pending["install_at"])
         self._arm_hooks()
 
     def __repr__(self) -> str:

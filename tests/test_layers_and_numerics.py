@@ -206,23 +206,27 @@ def test_state_dict_mismatch_names_the_difference() -> None:
         KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), lr=0.1, compute_method="inverse").load_state_dict(state)
 
 
-@pytest.mark.parametrize("key", ["eigenvalue_outer_product", "relative_damping"])
-def test_state_dict_refuses_another_method_key(key: str) -> None:
-    """Keys that change what a decomposition holds or what damping means must match on load; a
-    checkpoint from before a key existed counts as saved with its default (False)."""
+@pytest.mark.parametrize(
+    "key, value",
+    [("eigenvalue_outer_product", True), ("relative_damping", True), ("conv_factors", "reduce")],
+)
+def test_state_dict_refuses_another_method_key(key: str, value: object) -> None:
+    """Keys that change what a factor or decomposition holds or what damping means must match on
+    load; a checkpoint from before a key existed counts as saved with its default."""
     model = nn.Sequential(nn.Linear(4, 3))
     default = KFACPreconditioner(model, lr=0.1)
-    other = KFACPreconditioner(copy.deepcopy(model), lr=0.1, **{key: True})
+    other = KFACPreconditioner(copy.deepcopy(model), lr=0.1, **{key: value})
+    was = getattr(default.config, key)
     _backward(model, torch.randn(2, 4))
     default.step()
-    with pytest.raises(ValueError, match=f"saved with {key}=False, this run uses True"):
+    with pytest.raises(ValueError, match=f"saved with {key}={was!r}, this run uses {value!r}"):
         other.load_state_dict(default.state_dict())
-    with pytest.raises(ValueError, match=f"saved with {key}=True, this run uses False"):
+    with pytest.raises(ValueError, match=f"saved with {key}={value!r}, this run uses {was!r}"):
         default.load_state_dict(other.state_dict())
     older = default.state_dict()
     del older[key]
     default.load_state_dict(older)
-    with pytest.raises(ValueError, match=f"saved with {key}=False"):
+    with pytest.raises(ValueError, match=f"saved with {key}={was!r}"):
         other.load_state_dict(older)
 
 

@@ -184,6 +184,8 @@ def scenarios(world: int) -> dict[str, dict]:
     runs["comm-opt-local"] = {"kfac": {**KFAC, "factor_reduction": "local"}}
     runs["comm-opt-reduce-symmetric"] = {"kfac": {**KFAC, "factor_reduction": "reduce", "symmetric_comm": True}}
     runs["mem-opt-inverse"] = {"kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "compute_method": "inverse"}}
+    # Decompositions in the background, shared within columns when installed a step later.
+    runs["mem-opt-async"] = {"kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "async_decompositions": True}}
     runs["hybrid-eigen-outer"] = {
         "kfac": {**KFAC, "grad_worker_fraction": min(1.0, 2 / world), "eigenvalue_outer_product": True}
     }

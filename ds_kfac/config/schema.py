@@ -92,10 +92,22 @@ class KFACConfig(BaseModel):
     assignment: Literal["compute", "memory"] = "compute"
     skip_layers: list[str] = []
     max_factor_dim: int = 8192
+    conv_factors: Literal["expand", "reduce"] = "expand"
     factor_dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     inv_dtype: Literal["float32", "float64"] = "float32"
     symmetric_comm: bool = False
     overlap_factor_comm: bool = True
+    async_decompositions: bool = False
+
+    @field_validator("async_decompositions")
+    @classmethod
+    def _async_needs_fixed_refresh(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("inv_update_steps") == "adaptive":
+            raise ValueError(
+                "true needs a fixed inv_update_steps: adaptive refresh decides each factor's next "
+                "interval from its decomposition step, which async decompositions move"
+            )
+        return v
 
     @field_validator("grad_worker_fraction")
     @classmethod

@@ -1,6 +1,7 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
-from .block import KFACBlock, blocks_device
+from .background import Background
+from .block import KFACBlock, StackedStates, blocks_device
 from .decomposition import (
     METHODS,
     Decomposition,
@@ -16,12 +17,14 @@ from .refresh import AdaptiveRefresh
 __all__ = [
     "METHODS",
     "AdaptiveRefresh",
+    "Background",
     "Decomposition",
     "EigenDecomposition",
     "EigenOuterDecomposition",
     "InverseDecomposition",
     "KFACBlock",
     "KroneckerFactor",
+    "StackedStates",
     "all_finite",
     "blocks_device",
     "method_for",

@@ -2,13 +2,14 @@
 
 The block owns the layer's two factors and its current decomposition. It
 knows nothing about hooks, ranks or optimizers: the preconditioner feeds it
-rows, the communication layer moves its tensors, and it turns a gradient
-matrix into a preconditioned one.
+rows and the communication layer moves its tensors. :class:`StackedStates`
+turns the gradient matrices of many blocks into preconditioned ones.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections import defaultdict
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -34,23 +35,78 @@ class KFACBlock:
         self.inv_dtype = inv_dtype
         self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
         self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
-        self.state: Optional[State] = None
+        self._state: Optional[State] = None
+        self.state_version = 0
+        """Bumped whenever :attr:`state` is assigned, so caches built from it know when to rebuild."""
 
-    def precondition(self, grad: torch.Tensor, damping: float, graft: bool = False) -> torch.Tensor:
-        """``P(grad)`` in the decomposition's dtype; the gradient itself before the first decomposition.
+    @property
+    def state(self) -> Optional[State]:
+        """The current decomposition (``None`` before the first); replaced, never modified in place."""
+        return self._state
 
-        With ``graft``, ``P(grad)`` is rescaled to the L2 norm of ``grad`` (layer-wise norm
-        grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
-        if self.state is None:
-            return grad.to(self.inv_dtype)
-        out = self.method.precondition(self.state, grad, damping)
-        if graft:
-            norm = out.norm()
-            out.mul_(grad.to(out.dtype).norm() / norm.clamp(min=torch.finfo(norm.dtype).tiny))
-        return out
+    @state.setter
+    def state(self, value: Optional[State]) -> None:
+        self._state = value
+        self.state_version += 1
 
 
 def blocks_device(blocks: Iterable[KFACBlock]) -> torch.device:
     """The device of the first block's layer (CPU with no blocks): where per-layer flags live."""
     first = next(iter(blocks), None)
     return first.adapter.module.weight.device if first is not None else torch.device("cpu")
+
+
+Group = tuple[list[int], State]  # positions in the block list, and their states stacked
+
+
+class StackedStates:
+    """This rank's decompositions stacked by layer shape, so that preconditioning runs one batched
+    matmul per product for all layers of a shape instead of several GEMMs per layer.
+
+    The blocks' states become views into the stacks (no second copy). The stacks are rebuilt
+    when the blocks asked for or any of their states change (a refresh, a restore, a load)."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._groups: list[Group] = []
+
+    def precondition(
+        self, blocks: Sequence[KFACBlock], grads: Sequence[torch.Tensor], damping: float, graft: bool = False
+    ) -> list[torch.Tensor]:
+        """``P(grad)`` of each block, in its decomposition's dtype; the gradient itself before its first.
+
+        With ``graft``, each ``P(grad)`` is rescaled to the L2 norm of its ``grad`` (layer-wise norm
+        grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
+        if self._key != self._versions(blocks):
+            self._groups = self._stack(blocks)
+            self._key = self._versions(blocks)
+        out = [g.to(b.inv_dtype) if b.state is None else None for b, g in zip(blocks, grads)]
+        for positions, state in self._groups:
+            stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
+            result = blocks[positions[0]].method.precondition(state, stacked, damping)
+            if graft:
+                norms = result.norm(dim=(-2, -1))
+                result.mul_(
+                    (stacked.norm(dim=(-2, -1)) / norms.clamp(min=torch.finfo(norms.dtype).tiny))[:, None, None]
+                )
+            for j, i in enumerate(positions):
+                out[i] = result[j]
+        return out
+
+    @staticmethod
+    def _versions(blocks: Sequence[KFACBlock]) -> tuple:
+        return tuple((b.name, b.state_version) for b in blocks)
+
+    @staticmethod
+    def _stack(blocks: Sequence[KFACBlock]) -> list[Group]:
+        by_layout: dict[tuple, list[int]] = defaultdict(list)
+        for i, b in enumerate(blocks):
+            if b.state is not None:
+                by_layout[tuple((t.shape, t.dtype) for t in b.state)].append(i)
+        groups = []
+        for positions in by_layout.values():
+            state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].state for i in positions)))
+            for j, i in enumerate(positions):
+                blocks[i].state = tuple(t[j] for t in state)
+            groups.append((positions, state))
+        return groups

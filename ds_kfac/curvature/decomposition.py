@@ -24,6 +24,10 @@ factors, which differs by orders of magnitude between layers. For ``inverse``
 this makes the factor dampings ``sqrt(damping) tr A / dim A`` and
 ``sqrt(damping) tr G / dim G``.
 
+Preconditioning accepts leading batch dimensions (a stack of layers of one
+shape, each with its own state and damping), so equal-shaped layers are
+preconditioned by one batched matmul per product.
+
 Decompositions run in ``inv_dtype`` (float32 at least) and are retried in
 float64 when LAPACK fails; eigenvalues are clamped at 0. Whether a result is
 finite is returned as a device tensor, so a caller can check many layers with
@@ -73,8 +77,8 @@ def _in_eigenbasis(
     qa: torch.Tensor, qg: torch.Tensor, grad: torch.Tensor, rescale: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
     """``Q_G rescale(Q_G^T grad Q_A) Q_A^T``: the eigen methods differ only in how they rescale in the eigenbasis."""
-    rotated = qg.t() @ grad.to(qa.dtype) @ qa
-    return qg @ rescale(rotated) @ qa.t()
+    rotated = qg.mT @ grad.to(qa.dtype) @ qa
+    return qg @ rescale(rotated) @ qa.mT
 
 
 def _floored(damping: torch.Tensor) -> torch.Tensor:
@@ -84,10 +88,11 @@ def _floored(damping: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(state: Optional[State]) -> torch.Tensor:
-    """Whether a decomposition exists and is finite, as a device tensor (no host sync)."""
+    """Whether a decomposition exists and is finite, as a device tensor (no host sync): one
+    summing pass per tensor, no temporaries of its size (a NaN or infinity makes the sum non-finite)."""
     if state is None:
         return torch.tensor(False)
-    return torch.stack([torch.isfinite(t).all() for t in state]).all()
+    return torch.stack([torch.isfinite(t.sum()) for t in state]).all()
 
 
 class Decomposition(ABC):
@@ -107,8 +112,11 @@ class Decomposition(ABC):
 
     def block_damping(self, damping: float, va: torch.Tensor, vg: torch.Tensor) -> torch.Tensor | float:
         """The damping of ``A (x) G`` given both eigenvalue sets: ``damping``, or with
-        ``relative_damping`` ``damping * mean(v_A) * mean(v_G)`` (a device tensor, no host sync)."""
-        return _floored(va.mean() * vg.mean() * damping) if self.relative_damping else damping
+        ``relative_damping`` ``damping * mean(v_A) * mean(v_G)`` (a device tensor, no host sync),
+        shaped to broadcast over each layer's ``d_G x d_A`` matrix."""
+        if not self.relative_damping:
+            return damping
+        return _floored(va.mean(-1) * vg.mean(-1) * damping)[..., None, None]
 
     @abstractmethod
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
@@ -122,7 +130,8 @@ class Decomposition(ABC):
 
     @abstractmethod
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
-        """``P(grad)`` for a ``d_G x d_A`` gradient matrix, in the state's dtype."""
+        """``P(grad)`` for a ``d_G x d_A`` gradient matrix (or a stack of them, with stacked
+        states), in the state's dtype."""
 
 
 class EigenDecomposition(Decomposition):
@@ -142,7 +151,9 @@ class EigenDecomposition(Decomposition):
     def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
         qa, va, qg, vg = state
         block = self.block_damping(damping, va, vg)
-        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(torch.outer(vg, va).add_(block)))
+        return _in_eigenbasis(
+            qa, qg, grad, lambda rotated: rotated.div_((vg[..., :, None] * va[..., None, :]).add_(block))
+        )
 
 
 class EigenOuterDecomposition(Decomposition):

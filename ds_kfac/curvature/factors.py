@@ -33,15 +33,26 @@ class KroneckerFactor:
         self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0, bias_column: bool = False
     ) -> None:
         """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows,
-        with a trailing 1 appended to each row when ``bias_column``."""
+        with a trailing 1 appended to each row when ``bias_column``.
+
+        One fused GEMM into the accumulator (``addmm_``); the bias column is
+        added in block form (``[x;1][x;1]^T = [[x x^T, x], [x^T, 1]]``), so the
+        rows are never copied into a wider matrix."""
         x = rows.detach().to(compute_dtype(self.dtype))
-        if bias_column:
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
-        contribution = (x.t() @ x) * (scale * scale / x.shape[0])
+        n = x.shape[0]
         if self._sum is None:
-            self._sum = contribution
+            self._sum = x.new_zeros(self.dim, self.dim)
+        weight = scale * scale / n
+        d = x.shape[1]
+        if isinstance(weight, torch.Tensor):  # a device loss scale: no host sync to read it
+            self._sum[:d, :d].add_((x.t() @ x).mul_(weight))
         else:
-            self._sum.add_(contribution)
+            self._sum[:d, :d].addmm_(x.t(), x, alpha=weight)
+        if bias_column:
+            column = x.sum(dim=0).mul_(weight)
+            self._sum[:d, d].add_(column)
+            self._sum[d, :d].add_(column)
+            self._sum[d, d].add_(n * weight)
         self._count += 1
 
     def nbytes(self) -> tuple[int, int]:
@@ -65,19 +76,23 @@ class KroneckerFactor:
         """Drop this step's statistics (e.g. a step skipped for fp16 overflow)."""
         self._sum, self._count = None, 0
 
-    def update(self, step_value: torch.Tensor, decay: float) -> torch.Tensor:
-        """Fold a step's factor into the running average; return whether it was finite.
+    def blend(self, step_value: torch.Tensor, decay: float) -> torch.Tensor:
+        """The running average with a step's factor folded in, as a new tensor in the storage dtype.
 
-        A non-finite step value leaves the running average unchanged; a
-        non-finite running average is replaced by the new value. Both choices
-        are made on the device (``torch.where``), so no host sync happens here.
-        """
+        The running average itself is not touched (a step can still be undone by
+        restoring the reference, see :meth:`KFACPreconditioner.snapshot`): one
+        ``lerp`` reads both and writes the result. ``step_value`` may be a view
+        into a communication buffer; the result never is."""
         new = step_value.to(compute_dtype(self.dtype))
-        new_ok = torch.isfinite(new).all()
         if self.value is None:
-            self.value = new.to(self.dtype)
-            return new_ok
-        old = self.value.to(new.dtype)
-        blended = torch.where(torch.isfinite(old).all(), old.mul(decay).add_(new, alpha=1.0 - decay), new)
-        self.value = torch.where(new_ok, blended, old).to(self.dtype)
-        return new_ok
+            return new.to(self.dtype, copy=True)
+        return torch.lerp(self.value.to(new.dtype), new, 1.0 - decay).to(self.dtype)
+
+
+def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is finite: one summing pass per tensor (no temporaries of its size),
+    and one host sync for all of them. A NaN or infinity in a tensor makes its sum non-finite
+    (summed in float32 or better, so a finite float16 factor does not overflow its own sum)."""
+    if not tensors:
+        return []
+    return torch.stack([torch.isfinite(t.sum(dtype=compute_dtype(t.dtype))) for t in tensors]).tolist()

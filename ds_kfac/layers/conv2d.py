@@ -1,8 +1,9 @@
-"""``nn.Conv2d`` through unfolded input patches (stride, padding, dilation)."""
+"""``nn.Conv2d`` through input patches (stride, padding, dilation): K-FAC-expand or K-FAC-reduce."""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -12,15 +13,21 @@ from .base import LayerAdapter, UnsupportedLayerError
 
 
 class Conv2dAdapter(LayerAdapter):
-    """Rows are the ``C_in*kh*kw`` input patches at every output position:
-    ``n = B * H_out * W_out``. Grouped convolutions and non-zero padding modes
-    are refused at registration: their curvature is not one Kronecker product
-    of these factors."""
+    """With ``conv_factors="expand"`` rows are the ``C_in*kh*kw`` input patches and
+    the ``C_out`` output gradients at every output position: ``n = B * H_out * W_out``.
+    With ``"reduce"`` (K-FAC-reduce, Eschenhagen et al. 2023) there is one row per
+    example: the mean of its patches over the ``R = H_out * W_out`` positions and
+    the sum of its output gradients over them, ``n = B``. Grouped convolutions and
+    non-zero padding modes are refused at registration: their curvature is not one
+    Kronecker product of these factors."""
 
     module: nn.Conv2d
 
-    def __init__(self, module: nn.Conv2d) -> None:
+    def __init__(self, module: nn.Conv2d, conv_factors: Literal["expand", "reduce"] = "expand") -> None:
         super().__init__(module)
+        if conv_factors not in ("expand", "reduce"):
+            raise ValueError(f"conv_factors must be 'expand' or 'reduce', got {conv_factors!r}")
+        self.reduce = conv_factors == "reduce"
         if module.groups != 1:
             raise UnsupportedLayerError(f"Conv2d with groups={module.groups} is not supported (only groups=1)")
         if module.padding_mode != "zeros":
@@ -53,6 +60,8 @@ class Conv2dAdapter(LayerAdapter):
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dim() == 4 else x.unsqueeze(0)
+        if self.reduce:
+            return self._mean_patches(x)
         if any(self._pad):
             x = F.pad(x, self._pad)
         m = self.module
@@ -61,4 +70,40 @@ class Conv2dAdapter(LayerAdapter):
 
     def output_grad_rows(self, grad_output: torch.Tensor) -> torch.Tensor:
         g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
+        if self.reduce:
+            return g.sum(dim=(2, 3), dtype=_reduction_dtype(g))
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+    def _mean_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """``B x C_in*kh*kw``: each example's patches averaged over the output positions, without unfold.
+
+        The sum over positions of the patch entry at kernel offset ``(i, j)`` is the sum of
+        the input over the rows that offset ``i`` visits and the columns offset ``j`` visits,
+        so ``S = M_h X M_w^T`` per input channel ``X`` with 0/1 matrices ``M_h`` (``kh x H``) and ``M_w`` (``kw x W``):
+        two small matmuls, ``O(B C H W kh)``, instead of a ``C kh kw x B R`` patch matrix.
+        """
+        m, (left, right, top, bottom) = self.module, self._pad
+        rows, out_h = _visited(x, x.shape[2], top, bottom, m.kernel_size[0], m.dilation[0], m.stride[0])
+        cols, out_w = _visited(x, x.shape[3], left, right, m.kernel_size[1], m.dilation[1], m.stride[1])
+        sums = rows @ x.to(rows.dtype) @ cols.t()  # B x C x kh x kw, in unfold's column order
+        return sums.reshape(x.shape[0], -1).div_(out_h * out_w)
+
+
+def _reduction_dtype(t: torch.Tensor) -> torch.dtype:
+    """Sums over positions run in float32 or better: half-precision sums over R terms lose digits or overflow."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _visited(
+    like: torch.Tensor, size: int, pad_before: int, pad_after: int, kernel: int, dilation: int, stride: int
+) -> tuple[torch.Tensor, int]:
+    """The ``kernel x size`` 0/1 matrix whose entry ``(k, y)`` is 1 when kernel offset ``k``
+    reads input index ``y`` at some output position (reads of the zero padding add nothing),
+    and the number of output positions along this dimension."""
+    out = (size + pad_before + pad_after - dilation * (kernel - 1) - 1) // stride + 1
+    offsets = torch.arange(kernel, device=like.device)[:, None] * dilation - pad_before
+    read = offsets + stride * torch.arange(out, device=like.device)  # kernel x out input indices
+    visited = torch.zeros(kernel, size + 1, dtype=_reduction_dtype(like), device=like.device)
+    # Reads of the padding go to a spare last column, dropped below; one offset never reads an index twice.
+    visited.scatter_(1, torch.where((read >= 0) & (read < size), read, size), 1.0)
+    return visited[:, :size], out

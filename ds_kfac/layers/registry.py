@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Literal
 
 from torch import nn
 
@@ -42,10 +42,14 @@ class SkippedLayer:
 
 
 def find_layers(
-    model: nn.Module, skip_layers: Iterable[str] = (), max_factor_dim: int = 8192
+    model: nn.Module,
+    skip_layers: Iterable[str] = (),
+    max_factor_dim: int = 8192,
+    conv_factors: Literal["expand", "reduce"] = "expand",
 ) -> tuple[list[tuple[str, LayerAdapter]], list[SkippedLayer]]:
     """Adapters for the model's supported modules, in ``named_modules`` order,
-    and the supported modules that were skipped, with why.
+    and the supported modules that were skipped, with why. Conv2d adapters get
+    ``conv_factors`` (K-FAC-expand or K-FAC-reduce rows).
 
     A module is skipped when its name matches one of ``skip_layers`` (``re.search``),
     when a factor would be larger than ``max_factor_dim`` (vocabulary-sized
@@ -65,7 +69,8 @@ def find_layers(
             skipped.append(SkippedLayer(name, f"name matches skip_layers pattern {hit!r}"))
             continue
         try:
-            adapter = adapter_cls(module)
+            is_conv = issubclass(adapter_cls, Conv2dAdapter)
+            adapter = adapter_cls(module, conv_factors=conv_factors) if is_conv else adapter_cls(module)
         except ValueError as err:
             raise type(err)(f"layer {name!r}: {err}; add it to skip_layers to train it without K-FAC") from None
         if not any(p.requires_grad for p in adapter.params()):

@@ -31,7 +31,7 @@ from ..comm import (
 from ..config import KFACConfig
 from ..curvature import Decomposition, KFACBlock, KroneckerFactor, blocks_device
 from ..curvature.decomposition import Shape, State
-from ..curvature.factors import compute_dtype
+from ..curvature.factors import finite_flags
 from .plan import LayerShape, PlacementPlan
 
 Key = tuple[str, str]  # (layer name, "A" or "G")
@@ -145,25 +145,40 @@ class Distributor:
                 out.append(self._to_wire(value))
         return out
 
-    def update_factors(self, blocks: Sequence[KFACBlock], decay: float) -> list[torch.Tensor]:
-        """Reduce this step's factors of ``blocks`` and fold them in where they are kept;
-        return the finiteness flags of the folded-in values (device tensors)."""
+    def reduce_factors(self, blocks: Sequence[KFACBlock]) -> list[tuple[KFACBlock, str, Optional[torch.Tensor]]]:
+        """This step's factors of ``blocks``, averaged over ranks where they are kept: per layer and
+        side ("A", "G") the mean factor, or ``None`` where this rank does not keep it. Values may be
+        views into the reduction's buffers (fold them in before the next step's reduction)."""
         sides = [(b, side, f) for b in blocks for side, f in (("A", b.a), ("G", b.g))]
         if self.factor_buckets is None:
-            values = [f.take_step() for _, _, f in sides]
-        else:
-            wire = self.factor_buckets.finish(self._step_wire)
-            values = [
-                self._from_wire(wire[self._unit[b.name]][0 if side == "A" else 1], f) if self.keeps(b, side) else None
-                for b, side, f in sides
-            ]
-        flags = []
-        for (block, side, factor), value in zip(sides, values):
-            if value is not None and self.keeps(block, side):
-                flags.append(factor.update(value, decay))
-            else:
+            return [(b, side, f.take_step()) for b, side, f in sides]
+        wire = self.factor_buckets.finish(self._step_wire)
+        return [
+            (
+                b,
+                side,
+                self._from_wire(wire[self._unit[b.name]][0 if side == "A" else 1], f) if self.keeps(b, side) else None,
+            )
+            for b, side, f in sides
+        ]
+
+    @staticmethod
+    def fold_factors(reduced: Sequence[tuple[KFACBlock, str, Optional[torch.Tensor]]], decay: float) -> int:
+        """Fold reduced factors into the running averages (dropping those this rank does not keep);
+        a factor whose result would not be finite keeps its previous value. Returns how many were
+        not finite (one host sync for all)."""
+        blended = []
+        for block, side, value in reduced:
+            factor = block.a if side == "A" else block.g
+            if value is None:
                 factor.value = None
-        return flags
+            else:
+                blended.append((factor, factor.blend(value, decay)))
+        ok = finite_flags([b for _, b in blended])
+        for (factor, value), good in zip(blended, ok):
+            if good:
+                factor.value = value
+        return ok.count(False)
 
     def _worker_global(self, block: KFACBlock, side: str) -> int:
         return self.groups.to_global(self.worker(block.name, side))
@@ -174,24 +189,29 @@ class Distributor:
         return pack_symmetric(value) if self.config.symmetric_comm else value
 
     def _from_wire(self, wire: torch.Tensor, factor: KroneckerFactor) -> torch.Tensor:
-        """A fresh matrix (not a view that would keep the whole bucket alive) in the factor's arithmetic dtype."""
+        """The factor matrix of its wire form (a view when it travelled whole and in its arithmetic dtype)."""
         if self.config.symmetric_comm:
-            return unpack_symmetric(wire, factor.dim).to(compute_dtype(factor.dtype))
-        return wire.view(factor.dim, factor.dim).to(compute_dtype(factor.dtype), copy=True)
+            return unpack_symmetric(wire, factor.dim)
+        return wire.view(factor.dim, factor.dim)
 
     # --------------------------------------------------------- decompositions
     def decompose(
         self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
     ) -> tuple[list[KFACBlock], list[State]]:
-        """Decompose the factors assigned to this rank and share them within each layer's column.
+        """Decompose the factors assigned to this rank and share them within each layer's column:
+        :meth:`compute_sides` then :meth:`share_sides`."""
+        return self.share_sides(blocks, *self.compute_sides(blocks, damping, due))
+
+    def compute_sides(
+        self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
+    ) -> tuple[dict[Key, State], dict[str, set[str]]]:
+        """This rank's decompositions: the sides of ``blocks`` assigned to it, and which sides each
+        layer refreshes. Local work only (no communication), so it can run in the background.
 
         ``due`` limits the work to those (layer, side) pairs (adaptive refresh);
         a layer without a decomposition yet, or whose method decomposes both sides
-        together, refreshes both. Returns the candidate states of the layers this
-        rank is a gradient worker of, the sides not refreshed taken from the current
-        state (the caller adopts them after a finiteness check). A side that could
-        not be computed (no factors yet, LAPACK failure) travels as NaNs, so every
-        gradient worker rejects the same candidates.
+        together, refreshes both. A side that could not be computed (no factors
+        yet, LAPACK failure) is NaNs, so every gradient worker rejects the same candidates.
         """
         dtype = self.config.inv_torch_dtype
         needed = {b.name: self._sides_to_refresh(b, due) for b in blocks}
@@ -212,6 +232,14 @@ class Distributor:
                 sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b, "A")
             if do_g:
                 sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b, "G")
+        return sides, needed
+
+    def share_sides(
+        self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
+    ) -> tuple[list[KFACBlock], list[State]]:
+        """Share :meth:`compute_sides`'s results within each layer's column; return the candidate
+        states of the layers this rank is a gradient worker of, the sides not refreshed taken from
+        the current state (the caller adopts them after a finiteness check)."""
         if self.world > 1:
             self._share_decompositions(blocks, sides, needed)
         chosen, states = [], []

@@ -142,6 +142,9 @@ class GradientLayout:
         holds, so that summed over ranks every element counts once when sharded."""
         parts = []
         for block, block_frags, p, g in zip(blocks, fragments, precond, grads):
+            if self._whole_here(block, block_frags):  # the whole matrices, without slicing out (copying) the weight
+                parts.append(torch.dot(p.reshape(-1), g.to(p.dtype).reshape(-1)))
+                continue
             pieces = zip(block.adapter.matrix_to_grads(p), block.adapter.matrix_to_grads(g.to(p.dtype)), block_frags)
             for p_param, g_param, f in pieces:
                 if f is not None:
