@@ -431,8 +431,10 @@ class KFACPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes held on this rank, by category: running factors, decompositions, the
         accumulators of the step in progress (independent of the number of micro-batches),
-        and the factor snapshots adaptive refresh compares against (on the decomposing rank)."""
+        the factor snapshots adaptive refresh compares against (on the decomposing rank), and
+        what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers)."""
         usage = {"factors": 0, "decompositions": 0, "accumulators": 0, "refresh_references": 0}
+        usage["preconditioning_cache"] = self._stacks.cache_bytes()
         for b in self.blocks:
             for factor in (b.a, b.g):
                 running, accumulator = factor.nbytes()
@@ -505,6 +507,13 @@ class KFACPreconditioner:
                 raise ValueError(
                     f"K-FAC layer {b.name!r}: checkpoint factors are (A, G) = {tuple(entry['shape'])}, "
                     f"this model has {(b.adapter.a_dim, b.adapter.g_dim)}"
+                )
+            a_shapes, g_shapes = b.method.side_shapes(b.adapter.a_dim, b.adapter.g_dim)
+            saved_shapes = None if entry["state"] is None else [tuple(t.shape) for t in entry["state"]]
+            if saved_shapes is not None and saved_shapes != a_shapes + g_shapes:
+                raise ValueError(
+                    f"K-FAC layer {b.name!r}: checkpoint decomposition has tensors of shapes {saved_shapes}, "
+                    f"{b.method.name!r} holds {a_shapes + g_shapes} (saved by another ds_kfac version?)"
                 )
         if (self.refresh is None) != (state.get("refresh") is None):
             raise ValueError(

@@ -246,20 +246,30 @@ def test_memory_usage_counts_factor_and_decomposition_bytes() -> None:
         "decompositions": (25 + 5 + 9 + 3) * 4,
         "accumulators": 0,
         "refresh_references": 0,
+        "preconditioning_cache": 0,
     }
 
 
-def test_eigenvalue_outer_product_holds_q_a_q_g_and_d() -> None:
-    """Q_A (5x5), Q_G (3x3) and D (3x5): a*g floats more than eigen's eigenvalues, which it drops."""
+def test_eigenvalue_outer_product_keeps_d_beside_the_eigen_state() -> None:
+    """Eigen's state (Q_A 5x5, v_A, Q_G 3x3, v_G) plus D (3x5) kept by the gradient worker,
+    recomputed when the damping changes."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
-    kfac = KFACPreconditioner(model, lr=0.1, damping=0.01, eigenvalue_outer_product=True)
-    _backward(model, torch.randn(2, 4))
-    kfac.step()
-    assert kfac.memory_usage()["decompositions"] == (25 + 9 + 15) * 4
+    kfac = KFACPreconditioner(
+        model, lr=0.1, damping=lambda step: 0.01 if step < 1 else 0.1, eigenvalue_outer_product=True
+    )
     block = kfac.blocks[0]
-    va, vg = (torch.linalg.eigvalsh(f.value).clamp(min=0) for f in (block.a, block.g))
-    torch.testing.assert_close(block.state[2], 1 / (torch.outer(vg, va) + 0.01), rtol=1e-4, atol=1e-6)
+    for step, damping in enumerate((0.01, 0.1)):
+        _backward(model, torch.randn(2, 4))
+        kfac.step()
+        assert kfac.memory_usage()["decompositions"] == (25 + 5 + 9 + 3) * 4
+        assert kfac.memory_usage()["preconditioning_cache"] == 15 * 4
+        va, vg = (torch.linalg.eigvalsh(f.value).clamp(min=0) for f in (block.a, block.g))
+        if step == 0:
+            cached = kfac._stacks._groups[0].cached[0]
+            torch.testing.assert_close(cached, 1 / (torch.outer(vg, va) + damping), rtol=1e-4, atol=1e-6)
+    _, v_a, _, v_g = block.state
+    torch.testing.assert_close(kfac._stacks._groups[0].cached[0], 1 / (torch.outer(v_g, v_a) + 0.1))
 
 
 @pytest.mark.parametrize("micro_batches", [1, 64])
@@ -272,3 +282,18 @@ def test_accumulation_memory_does_not_grow(micro_batches: int) -> None:
         (model(torch.randn(4, 16)).square().mean() / micro_batches).backward()
     assert kfac.memory_usage()["accumulators"] == 4 * (17**2 + 12**2 + 13**2 + 8**2)
     assert kfac.blocks[0].a.pending == micro_batches
+
+
+def test_a_decomposition_of_another_layout_is_refused_at_load() -> None:
+    """E.g. an eigen-outer state saved before D moved to the gradient workers: (Q_A, Q_G, D)."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    kfac = KFACPreconditioner(model, lr=0.1, eigenvalue_outer_product=True)
+    _backward(model, torch.randn(2, 4))
+    kfac.step()
+    state = kfac.state_dict()
+    q_a, _, q_g, v_g = state["layers"]["0"]["state"]
+    state["layers"]["0"]["state"] = [q_a, q_g, torch.outer(v_g, torch.ones(5))]
+    with pytest.raises(
+        ValueError, match=r"layer '0': checkpoint decomposition has tensors of shapes \[\(5, 5\), \(3, 3\), \(3, 5\)\]"
+    ):
+        KFACPreconditioner(nn.Sequential(nn.Linear(4, 3)), lr=0.1, eigenvalue_outer_product=True).load_state_dict(state)

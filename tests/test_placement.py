@@ -291,7 +291,7 @@ def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str,
     with adaptive refresh two snapshots of each factor this rank decomposes."""
     keys = {**KFAC, **scenario["kfac"]}
     reduction = keys.get("factor_reduction", "allreduce")
-    outer, eigen = keys.get("eigenvalue_outer_product", False), keys.get("compute_method", "eigen") == "eigen"
+    eigen = keys.get("compute_method", "eigen") == "eigen"
     out = {"factors": 0, "decompositions": 0, "refresh_references": 0}
     for name, (a_worker, g_worker, workers) in results[0]["layers"].items():
         a, g = results[0]["shapes"][name]
@@ -301,7 +301,7 @@ def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str,
         else:
             out["factors"] += 4 * (held["A"] + held["G"])
         if rank in workers:
-            floats = a * a + g * g + (a * g if outer else a + g if eigen else 0)
+            floats = a * a + g * g + (a + g if eigen else 0)
             out["decompositions"] += 4 * floats
         if keys["inv_update_steps"] == "adaptive":
             out["refresh_references"] += 2 * 4 * (held["A"] + held["G"])
@@ -326,12 +326,10 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
     reduction, symmetric = keys.get("factor_reduction", "allreduce"), keys.get("symmetric_comm", False)
     floats = sum((d * (d + 1) // 2 if symmetric else d * d) for a, g in shapes.values() for d in (a, g))
     eigen = keys.get("compute_method", "eigen") == "eigen"
-    outer = keys.get("eigenvalue_outer_product", False)
 
     def decomposition(a: int, g: int) -> int:
-        """Floats of one layer's decomposition, each side sent once from its decomposing rank."""
-        if outer:
-            return a * a + (g * g + a * g)  # (Q_A,) and (Q_G, D)
+        """Floats of one layer's decomposition, each side sent once from its decomposing rank
+        (``eigen-outer`` sends eigen's sides: its ``D`` is computed where it is used)."""
         return (a * a + a) + (g * g + g) if eigen else a * a + g * g  # (Q, v) per side; (F^-1,) per side
 
     out = {"all_reduce": 0, "reduce": 0, "broadcast": 0}

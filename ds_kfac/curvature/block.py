@@ -9,6 +9,7 @@ turns the gradient matrices of many blocks into preconditioned ones.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -56,7 +57,15 @@ def blocks_device(blocks: Iterable[KFACBlock]) -> torch.device:
     return first.adapter.module.weight.device if first is not None else torch.device("cpu")
 
 
-Group = tuple[list[int], State]  # positions in the block list, and their states stacked
+@dataclass
+class _Group:
+    """Blocks of one state layout: their positions in the block list, their states stacked, and
+    the method's precomputation for them (with the damping it was made for)."""
+
+    positions: list[int]
+    state: State
+    cached: Optional[torch.Tensor] = None
+    cached_for: Optional[float] = None
 
 
 class StackedStates:
@@ -64,11 +73,17 @@ class StackedStates:
     matmul per product for all layers of a shape instead of several GEMMs per layer.
 
     The blocks' states become views into the stacks (no second copy). The stacks are rebuilt
-    when the blocks asked for or any of their states change (a refresh, a restore, a load)."""
+    when the blocks asked for or any of their states change (a refresh, a restore, a load);
+    a method's precomputation (``eigen-outer``'s ``D``) is kept with them until then, or
+    until the damping changes."""
 
     def __init__(self) -> None:
         self._key: Optional[tuple] = None
-        self._groups: list[Group] = []
+        self._groups: list[_Group] = []
+
+    def cache_bytes(self) -> int:
+        """Bytes of the kept precomputations."""
+        return sum(g.cached.numel() * g.cached.element_size() for g in self._groups if g.cached is not None)
 
     def precondition(
         self, blocks: Sequence[KFACBlock], grads: Sequence[torch.Tensor], damping: float, graft: bool = False
@@ -81,9 +96,12 @@ class StackedStates:
             self._groups = self._stack(blocks)
             self._key = self._versions(blocks)
         out = [g.to(b.inv_dtype) if b.state is None else None for b, g in zip(blocks, grads)]
-        for positions, state in self._groups:
+        for group in self._groups:
+            positions, state, method = group.positions, group.state, blocks[group.positions[0]].method
+            if group.cached_for != damping:
+                group.cached, group.cached_for = method.precompute(state, damping), damping
             stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
-            result = blocks[positions[0]].method.precondition(state, stacked, damping)
+            result = method.precondition(state, stacked, damping, group.cached)
             if graft:
                 norms = result.norm(dim=(-2, -1))
                 result.mul_(
@@ -98,7 +116,7 @@ class StackedStates:
         return tuple((b.name, b.state_version) for b in blocks)
 
     @staticmethod
-    def _stack(blocks: Sequence[KFACBlock]) -> list[Group]:
+    def _stack(blocks: Sequence[KFACBlock]) -> list[_Group]:
         by_layout: dict[tuple, list[int]] = defaultdict(list)
         for i, b in enumerate(blocks):
             if b.state is not None:
@@ -108,5 +126,5 @@ class StackedStates:
             state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].state for i in positions)))
             for j, i in enumerate(positions):
                 blocks[i].state = tuple(t[j] for t in state)
-            groups.append((positions, state))
+            groups.append(_Group(positions, state))
         return groups

@@ -6,11 +6,13 @@
 
 ``eigen`` with ``eigenvalue_outer_product`` (KAISA's precompute)::
 
-    D = 1 / (v_G v_A^T + damping)        (once per decomposition, A and G together)
+    D = 1 / (v_G v_A^T + damping)        (cached by each gradient worker)
     P(g) = Q_G [ (Q_G^T g Q_A) * D ] Q_A^T
 
-  an elementwise multiply per step instead of outer, add and divide; ``D``
-  keeps the damping of its decomposition step until the next refresh.
+  the same ``P(g)`` as ``eigen`` and the same state, sent the same way; each
+  gradient worker computes ``D`` when it installs a decomposition (and again
+  when the damping changes), so a step does one elementwise multiply instead of
+  an outer product, an add and a divide, for ``d_G x d_A`` floats of memory.
 
 ``inverse`` (factored Tikhonov damping with ``pi = sqrt((tr A / dim A) / (tr G / dim G))``)::
 
@@ -128,10 +130,16 @@ class Decomposition(ABC):
     ) -> tuple[Optional[State], Optional[State]]:
         """The ``A`` and ``G`` sides from the factors given (``None`` where not given or LAPACK failed)."""
 
+    def precompute(self, state: State, damping: float) -> Optional[torch.Tensor]:
+        """What :meth:`precondition` can reuse while the state and the damping stay the same (``None``: nothing)."""
+        return None
+
     @abstractmethod
-    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    def precondition(
+        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``P(grad)`` for a ``d_G x d_A`` gradient matrix (or a stack of them, with stacked
-        states), in the state's dtype."""
+        states), in the state's dtype; ``cached`` is :meth:`precompute`'s result, when kept."""
 
 
 class EigenDecomposition(Decomposition):
@@ -148,7 +156,9 @@ class EigenDecomposition(Decomposition):
     ) -> tuple[Optional[State], Optional[State]]:
         return tuple(None if f is None else _with_fallback(_eigh, f, dtype) for f in (a, g))
 
-    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    def precondition(
+        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         qa, va, qg, vg = state
         block = self.block_damping(damping, va, vg)
         return _in_eigenbasis(
@@ -156,33 +166,21 @@ class EigenDecomposition(Decomposition):
         )
 
 
-class EigenOuterDecomposition(Decomposition):
-    """Sides ``(Q_A,)`` and ``(Q_G, D)`` with ``D = 1 / (v_G v_A^T + damping)`` (``g_dim x a_dim``).
-
-    ``D`` needs both eigenvalue sets, so both sides are computed together; it
-    freezes the damping of the decomposition step, and preconditioning is one
-    elementwise multiply in the eigenbasis.
-    """
+class EigenOuterDecomposition(EigenDecomposition):
+    """``eigen``'s state and sides, with ``D = 1 / (v_G v_A^T + damping)`` (``g_dim x a_dim``)
+    precomputed by each gradient worker: preconditioning is one elementwise multiply in the eigenbasis."""
 
     name = "eigen-outer"
-    colocated = True
 
-    def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
-        return [(a_dim, a_dim)], [(g_dim, g_dim), (g_dim, a_dim)]
+    def precompute(self, state: State, damping: float) -> torch.Tensor:
+        _, va, _, vg = state
+        return (vg[..., :, None] * va[..., None, :]).add_(self.block_damping(damping, va, vg)).reciprocal_()
 
-    def compute(
-        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
-    ) -> tuple[Optional[State], Optional[State]]:
-        if a is None or g is None:
-            raise ValueError("the eigenvalue outer product decomposes A and G together")
-        a_eig, g_eig = _with_fallback(_eigh, a, dtype), _with_fallback(_eigh, g, dtype)
-        if a_eig is None or g_eig is None:
-            return None, None
-        (qa, va), (qg, vg) = a_eig, g_eig
-        return (qa,), (qg, torch.outer(vg, va).add_(self.block_damping(damping, va, vg)).reciprocal_())
-
-    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
-        qa, qg, d = state
+    def precondition(
+        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        qa, _, qg, _ = state
+        d = cached if cached is not None else self.precompute(state, damping)
         return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.mul_(d))
 
 
@@ -216,7 +214,9 @@ class InverseDecomposition(Decomposition):
         eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
         return _with_fallback(_inv, a + damp_a * eye_a, dtype), _with_fallback(_inv, g + damp_g * eye_g, dtype)
 
-    def precondition(self, state: State, grad: torch.Tensor, damping: float) -> torch.Tensor:
+    def precondition(
+        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         a_inv, g_inv = state
         return g_inv @ grad.to(a_inv.dtype) @ a_inv
 

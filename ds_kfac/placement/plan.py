@@ -14,8 +14,7 @@ communication), and never changes. It follows KAISA's layout:
 * Layers go to columns, and within a column each factor's decomposition to one
   rank, by greedy longest-processing-time on cost ``dim^3`` (``compute``) or
   ``dim^2`` (``memory``). ``A`` and ``G`` of a layer may land on different ranks,
-  except with ``compute_method="inverse"`` (whose damping couples them),
-  ``eigenvalue_outer_product`` (which needs both eigenvalue sets) and
+  except with ``compute_method="inverse"`` (whose damping couples them) and
   ``factor_reduction="local"`` (one owner computes both), where they share one.
 * Under ZeRO 1/2 with ``n < world`` the gradient already lies partitioned, so
   columns follow ownership instead of LPT: a layer's gradient workers are the
