@@ -54,13 +54,14 @@ Shape = tuple[int, ...]
 def _with_fallback(fn: Callable[[torch.Tensor], State], matrix: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
     """``fn(matrix)`` in ``dtype``, retried in float64 (results cast back) if LAPACK fails; ``None`` if both fail.
 
-    Results are made contiguous: LAPACK returns column-major eigenvectors, and a rank
-    that receives them by broadcast holds them row-major; the same layout everywhere
-    keeps matmuls, and so parameters, bit-identical across ranks.
+    Results keep LAPACK's layout (column-major eigenvectors; a rank that receives them
+    by broadcast holds them row-major): preconditioning runs on stacked copies
+    (:class:`~ds_kfac.curvature.block.StackedStates`), which have one layout on every
+    rank, so matmuls, and so parameters, stay bit-identical across ranks.
     """
     for attempt in (dtype, torch.float64):
         try:
-            return tuple(t.to(dtype).contiguous() for t in fn(matrix.to(attempt)))
+            return tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
         except torch.linalg.LinAlgError:
             continue
     return None
