@@ -234,11 +234,14 @@ class KFACPreconditioner:
         s = self.steps
         distributor = self.distributor
         blocks, grads, fragments = layout.gather(self.blocks)
+        mine = [distributor.is_grad_worker(b) for b in blocks]
+        chosen = [i for i, m in enumerate(mine) if m]
+        if self._stacks.stale([blocks[i] for i in chosen]):
+            with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
+                self._stacks.prepare([blocks[i] for i in chosen])
         with self.timer.phase("precondition"):
             damping = resolve(self.config.damping, s)
-            mine = [distributor.is_grad_worker(b) for b in blocks]
             graft = self.config.grafting == "gradient"
-            chosen = [i for i, m in enumerate(mine) if m]
             results = self._stacks.precondition([blocks[i] for i in chosen], [grads[i] for i in chosen], damping, graft)
             out: list[Optional[torch.Tensor]] = [None] * len(blocks)
             for i, result in zip(chosen, results):

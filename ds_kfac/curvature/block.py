@@ -92,9 +92,7 @@ class StackedStates:
 
         With ``graft``, each ``P(grad)`` is rescaled to the L2 norm of its ``grad`` (layer-wise norm
         grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
-        if self._key != self._versions(blocks):
-            self._groups = self._stack(blocks)
-            self._key = self._versions(blocks)
+        self.prepare(blocks)
         out = [g.to(b.inv_dtype) if b.state is None else None for b, g in zip(blocks, grads)]
         for group in self._groups:
             positions, state, method = group.positions, group.state, blocks[group.positions[0]].method
@@ -110,6 +108,16 @@ class StackedStates:
             for j, i in enumerate(positions):
                 out[i] = result[j]
         return out
+
+    def stale(self, blocks: Sequence[KFACBlock]) -> bool:
+        """Whether the stacks are not those of ``blocks`` and their current states."""
+        return self._key != self._versions(blocks)
+
+    def prepare(self, blocks: Sequence[KFACBlock]) -> None:
+        """Stack the states of ``blocks`` unless that is already done (one copy of them per refresh)."""
+        if self.stale(blocks):
+            self._groups = self._stack(blocks)
+            self._key = self._versions(blocks)
 
     @staticmethod
     def _versions(blocks: Sequence[KFACBlock]) -> tuple:

@@ -1,0 +1,785 @@
+"""Where every millisecond of a K-FAC step goes: per-phase cost of base vs base+K-FAC, and the arithmetic floor.
+
+Runs the standalone :class:`ds_kfac.KFACPreconditioner` on real models (the BERT
+example's ``BertForPreTraining`` at BERT-mini size, and the ResNet example's
+CIFAR ResNet-20) on 1 or 2 CPU processes (gloo, one thread each)::
+
+    python benchmarks/step_cost.py run                                   # everything: 2 workloads x 3 GA x
+                                                                         # (world 1, world 2 comm-opt/mem-opt)
+    python benchmarks/step_cost.py run --workloads resnet20 --worlds 2 --ga 4 --cycles 5
+    python benchmarks/step_cost.py run --set inv_update_steps=20 --set damping=0.01   # K-FAC key overrides
+    python benchmarks/step_cost.py run --smoke --out /tmp/smoke.json     # BERT-tiny, ResNet-8 at 16x16 (CI)
+    python benchmarks/step_cost.py table benchmarks/results/step_cost.json
+
+Method. Every configuration (workload, world, placement, gradient accumulation
+GA) runs in fresh processes. Both arms live in each process with identical
+initial weights (two models from one state dict, each with its own base
+optimizer) and are fed the same batches. Data-parallel averaging is done here,
+not by DDP: after the last micro-batch's backward, one ``all_reduce`` of all
+gradients flattened into one buffer, divided by the world size, so that
+gradient communication is a phase of its own; the K-FAC arm then calls
+``kfac.step()`` (which gets its own process group, so factor and gradient
+collectives do not queue behind each other), then ``optimizer.step()``. The
+arms alternate in chunks of one decomposition cycle (``inv_update_steps``
+optimizer steps: every phase of the schedule once): a warm-up per arm, not
+counted (one cycle, or ``--warmup-steps``), then ``--cycles`` x (base cycle,
+K-FAC cycle). Timings are rank 0's
+``time.perf_counter`` (with ``torch.cuda.synchronize()`` at every phase
+boundary on CUDA).
+
+Phases of one optimizer step:
+
+* ``forward_backward``: zero_grad and all micro-batches' forward and backward,
+  minus K-FAC's ``hooks`` (reported separately);
+* ``grad_comm``: the gradient all-reduce (0 on one process);
+* K-FAC's own phases, read from ``kfac.timings`` (whatever keys it has:
+  ``hooks``, ``factor_comm``, ``factors``, ``decompose``, ``precondition``);
+* ``base_optimizer``: ``optimizer.step()``.
+
+The step itself is timed end to end; ``coverage = sum(phases) / step``: the
+time K-FAC's ``step()`` spends outside its named phases is the gap
+(``untimed_ms``). Steps are classed by their index ``s`` in the K-FAC schedule:
+``decomposition`` (``s % inv_update_steps == 0``), ``factor``
+(``s % factor_update_steps == 0``), ``plain``; the base arm's steps get the
+class of the same index, for comparison.
+
+The floor: FLOPs counted from the Linear/Conv2d shapes seen in one forward
+pass, per rank and optimizer step:
+
+* base: forward + backward = 3 x 2 x multiply-adds of every Linear/Conv2d
+  (K-FAC's skipped layers included; attention's batched matmuls, norms and
+  activations not counted);
+* ``factors``: 2 n a^2 + 2 n g^2 per registered layer and micro-batch (``n`` rows:
+  tokens for Linear, B x H_out x W_out for Conv2d, B with ``conv_factors``
+  "reduce"; ``a`` includes the bias column), divided by ``factor_update_steps``;
+  measured as ``hooks + factors``;
+* ``precondition`` (eigen): 4 g a (g + a) per layer (two GEMMs on each side), x
+  gradient workers / world (``comm-opt``: every rank preconditions every layer;
+  ``mem-opt``: one rank per layer);
+* ``decompose``: 9 d^3 per factor (symmetric eigendecomposition with vectors),
+  divided by ``inv_update_steps`` and by world (perfect balance).
+
+``floor ratio = 1 + K-FAC FLOPs / base FLOPs`` (the step-time ratio if K-FAC's
+FLOPs ran at the base step's FLOP rate); ``overhead_vs_floor = (ratio - 1) /
+(floor ratio - 1)``. Per phase, ``floor_ms = phase FLOPs / base FLOPs x base
+mean step``.
+
+Memory: ``kfac.memory_usage()`` on every rank, after the measured steps and
+during one more factor step (after its last backward, before ``kfac.step()``:
+the step's statistics held; the table's "K-FAC state" is the largest rank's
+total then), and each rank's peak RSS
+(``ru_maxrss``) in its fresh process after the base arm's warm-up cycle, before
+the K-FAC arm exists, and again after the K-FAC arm's warm-up. The difference
+includes the K-FAC arm's model copy and optimizer state, not only K-FAC's.
+
+Output (``--out FILE.json``, a PNG beside it, and the Markdown table on stdout)::
+
+    {"benchmark": "step_cost", "command", "settings": {workloads, worlds, placements, ga, cycles, set,
+     smoke, device, seed, timeout}, "versions": {python, torch, deepspeed, ds_kfac, ds_kfac_commit, cpus},
+     "load_average": {"before", "after"} (1, 5, 15 min), "floor_constants": {...},
+     "configurations": [{
+       "workload", "world", "placement", "ga", "load_before", "kfac_config": {the "kfac" keys used},
+       "layers": {"registered": [names], "skipped": [names]},
+       "arms": {"base" | "kfac": {
+          "mean_ms" (amortized over whole cycles), "median_ms", "slowest_ms", "coverage",
+          "phases_ms": {phase: amortized mean}, "untimed_ms" (kfac only),
+          "classes": {"plain" | "factor" | "decomposition": {"count", "mean_ms", "phases_ms", "coverage"}},
+          "step_ms": [[every measured step of cycle 1], ...] (step i of a cycle has schedule index i)}},
+       "ratio": {"mean" (the headline: kfac mean_ms / base mean_ms), "median", "min", "max",
+                 "per_cycle": [kfac / base mean step of each measured cycle]},
+       "floor": {"flops_per_step": {"forward_backward", "factors", "precondition", "decompose"}, "ratio",
+                 "overhead_vs_floor", "phases": {"factors" | "precondition" | "decompose":
+                 {"floor_ms", "measured_ms", "measured_phases", "times_floor"}}},
+       "memory": {"kfac_state_bytes": [per rank: {category: bytes}] (after the last step),
+                  "kfac_state_bytes_in_step": [per rank] (during a factor step, statistics held), "model_param_bytes",
+                  "peak_rss_bytes": {"base_only": [per rank], "with_kfac": [per rank]}}}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import launch  # noqa: E402  (tests/launch.py: timed, session-isolated subprocess launches)
+from time_to_target import apply_overrides, free_port, versions  # noqa: E402
+
+from ds_kfac import KFACPreconditioner, Lamb  # noqa: E402
+from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
+from ds_kfac.timing import PHASES as KFAC_PHASES  # noqa: E402
+
+Batch = dict[str, torch.Tensor]
+Record = dict[str, Any]
+"""One optimizer step: ``cycle``, ``class``, ``step`` (s), ``phases`` ({name: s}), ``untimed`` (s, K-FAC arm)."""
+
+CADENCE = {"factor_update_steps": 10, "inv_update_steps": 100}  # KAISA's
+SMOKE_CADENCE = {"factor_update_steps": 2, "inv_update_steps": 4}
+CLASSES = ("plain", "factor", "decomposition")
+ARMS = ("base", "kfac")
+EIGH_FLOPS_PER_DIM3 = 9
+"""FLOPs per d^3 of a symmetric eigendecomposition with eigenvectors: Golub & Van Loan's count for the
+symmetric QR algorithm (about 9 d^3 with eigenvectors, 4/3 d^3 for the eigenvalues alone)."""
+FLOOR_PHASES = {"factors": ("hooks", "factors"), "precondition": ("precondition",), "decompose": ("decompose",)}
+"""Floor phase -> the measured phases doing its arithmetic (factor outer products run in the hooks)."""
+POOL = 16  # distinct micro-batches per rank, reused in turn
+
+
+# ---------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Workload:
+    """A model, its base optimizer, its batches and loss, and the config whose ``"kfac"`` section it uses."""
+
+    kfac_config: str
+    build: Callable[[bool], nn.Module]
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    batch: Callable[[bool, torch.Generator], Batch]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+
+
+BERT_MINI = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
+BERT_DATA = {"seq": 64, "micro": 8, "vocab": 8192}  # the BERT example's default vocabulary
+BERT_SMOKE_DATA = {"seq": 32, "micro": 8, "vocab": 512}
+
+
+def build_bert(smoke: bool) -> nn.Module:
+    """``BertForPreTraining`` as ``examples/bert/pretrain.py`` builds it (``configs/bert/bert-tiny.json``'s
+    activation, dropout and initialisation), at BERT-mini size (BERT-tiny in smoke mode)."""
+    from transformers import BertConfig, BertForPreTraining
+
+    data = BERT_SMOKE_DATA if smoke else BERT_DATA
+    config = json.loads((ROOT / "configs/bert/bert-tiny.json").read_text())
+    if not smoke:  # smoke: bert-tiny's own size (hidden 128, 2 layers), the CPU demo's model
+        config.update(BERT_MINI)
+    config.update(
+        vocab_size=data["vocab"], max_position_embeddings=max(config.get("max_position_embeddings", 512), data["seq"])
+    )
+    return BertForPreTraining(BertConfig(**config))
+
+
+def bert_batch(smoke: bool, generator: torch.Generator) -> Batch:
+    """Random tokens, two segments, 15% of positions as masked-LM targets, random next-sentence labels."""
+    d = BERT_SMOKE_DATA if smoke else BERT_DATA
+    shape = (d["micro"], d["seq"])
+    ids = torch.randint(0, d["vocab"], shape, generator=generator)
+    masked = torch.rand(shape, generator=generator) < 0.15
+    return {
+        "input_ids": ids,
+        "token_type_ids": (torch.arange(d["seq"]) >= d["seq"] // 2).long().expand(shape),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+        "labels": torch.where(masked, ids, torch.full_like(ids, -100)),
+        "next_sentence_label": torch.randint(0, 2, (d["micro"],), generator=generator),
+    }
+
+
+def build_resnet(smoke: bool) -> nn.Module:
+    """``examples/resnet/train.py``'s ``ResNet``: CIFAR ResNet-20 (ResNet-8 in smoke mode)."""
+    sys.path.insert(0, str(ROOT / "examples/resnet"))
+    from train import ResNet
+
+    return ResNet(depth=8 if smoke else 20, in_channels=3, classes=10)
+
+
+def resnet_batch(smoke: bool, generator: torch.Generator) -> Batch:
+    """Random 3x32x32 images (16x16 in smoke mode) and labels, micro-batch 64."""
+    micro, side = 64, 16 if smoke else 32
+    return {
+        "x": torch.randn(micro, 3, side, side, generator=generator),
+        "y": torch.randint(0, 10, (micro,), generator=generator),
+    }
+
+
+WORKLOADS = {
+    "bert-mini": Workload(
+        "configs/bert_cpu_phase1_kfac.json",
+        build_bert,
+        lambda params: Lamb(params, lr=1e-3),
+        bert_batch,
+        lambda model, batch: model(**batch).loss,
+    ),
+    "resnet20": Workload(
+        "configs/resnet_kfac_cpu.json",
+        build_resnet,
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        resnet_batch,
+        lambda model, batch: F.cross_entropy(model(batch["x"]), batch["y"]),
+    ),
+}
+PLACEMENTS = ("comm-opt", "mem-opt")
+
+
+def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement: str) -> dict[str, Any]:
+    """The workload config's ``"kfac"`` section at KAISA's cadence (smoke: 2/4), ``--set`` applied, then the placement."""
+    section = json.loads((ROOT / WORKLOADS[workload].kfac_config).read_text())["kfac"]
+    section.update(SMOKE_CADENCE if smoke else CADENCE)
+    section = apply_overrides(section, overrides)
+    section["grad_worker_fraction"] = placement
+    for key in CADENCE:
+        value = section[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SystemExit(
+                f"step_cost needs an integer {key} >= 1 (cycles are whole decomposition periods), got {value!r}"
+            )
+    return section
+
+
+# ---------------------------------------------------------------- the floor
+@dataclass(frozen=True)
+class LayerWork:
+    """One Linear/Conv2d per micro-batch: forward multiply-adds, K-FAC factor rows and factor dimensions."""
+
+    name: str
+    macs: int
+    rows: int
+    a_dim: int
+    g_dim: int
+
+
+def count_layers(
+    model: nn.Module,
+    batch: Batch,
+    loss: Callable[[nn.Module, Batch], torch.Tensor],
+    conv_factors: str = "expand",
+) -> list[LayerWork]:
+    """The work of every Linear/Conv2d in one forward pass of ``batch`` (summed over calls of a module).
+    Conv2d factor rows are its output positions (K-FAC-expand), or its examples with ``conv_factors="reduce"``."""
+    seen: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    dims: dict[str, tuple[int, int]] = {}
+
+    def hook(name: str, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if isinstance(module, nn.Linear):
+            positions = rows = inputs[0].numel() // module.in_features
+            fan_in = module.in_features
+        else:
+            positions = output.numel() // module.out_channels
+            rows = (output.shape[0] if output.dim() == 4 else 1) if conv_factors == "reduce" else positions
+            fan_in = module.in_channels // module.groups * math.prod(module.kernel_size)
+        out = module.weight.shape[0]
+        seen[name][0] += positions * fan_in * out
+        seen[name][1] += rows
+        dims[name] = (fan_in + int(module.bias is not None), out)
+
+    handles = [
+        m.register_forward_hook(lambda mod, i, o, name=name: hook(name, mod, i, o))
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d))
+    ]
+    try:
+        with torch.no_grad():
+            loss(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return [LayerWork(name, macs, rows, *dims[name]) for name, (macs, rows) in seen.items()]
+
+
+def flops_per_step(
+    layers: Sequence[LayerWork],
+    registered: Iterable[str],
+    ga: int,
+    factor_every: int,
+    inv_every: int,
+    world: int,
+    grad_workers: int,
+) -> dict[str, float]:
+    """FLOPs per rank and optimizer step, amortized over the schedule: the base arm's forward/backward
+    and K-FAC's factors, preconditioning and decompositions (see the module docstring)."""
+    mine = set(registered)
+    reg = [w for w in layers if w.name in mine]
+    return {
+        "forward_backward": 6.0 * ga * sum(w.macs for w in layers),
+        "factors": ga * sum(2.0 * w.rows * (w.a_dim**2 + w.g_dim**2) for w in reg) / factor_every,
+        "precondition": sum(4.0 * w.g_dim * w.a_dim * (w.g_dim + w.a_dim) for w in reg) * grad_workers / world,
+        "decompose": sum(EIGH_FLOPS_PER_DIM3 * (w.a_dim**3 + w.g_dim**3) for w in reg) / inv_every / world,
+    }
+
+
+def floor_summary(
+    flops: dict[str, float], base_mean_ms: float, kfac_phases_ms: dict[str, float], ratio: float
+) -> dict[str, Any]:
+    """Floor ratio, measured overhead in units of the floor's, and each floor phase against its measured phases."""
+    base = flops["forward_backward"]
+    extra = sum(flops[p] for p in FLOOR_PHASES)
+    floor_ratio = 1.0 + extra / base
+    phases = {}
+    for phase, measured_by in FLOOR_PHASES.items():
+        floor_ms = flops[phase] / base * base_mean_ms
+        measured = sum(kfac_phases_ms.get(p, 0.0) for p in measured_by)
+        phases[phase] = {
+            "floor_ms": floor_ms,
+            "measured_ms": measured,
+            "measured_phases": list(measured_by),
+            "times_floor": measured / floor_ms if floor_ms > 0 else None,
+        }
+    return {
+        "flops_per_step": flops,
+        "ratio": floor_ratio,
+        "overhead_vs_floor": (ratio - 1.0) / (floor_ratio - 1.0) if extra > 0 else None,
+        "phases": phases,
+    }
+
+
+# ---------------------------------------------------------------- measurement (worker processes)
+@dataclass
+class Arm:
+    """One side of the comparison: a model, its optimizer, and K-FAC or not."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    kfac: Optional[KFACPreconditioner] = None
+    steps: int = 0
+
+
+def step_class(step: int, factor_every: int, inv_every: int) -> str:
+    if step % inv_every == 0:
+        return "decomposition"
+    return "factor" if step % factor_every == 0 else "plain"
+
+
+def average_gradients(model: nn.Module, world: int) -> None:
+    """Data-parallel mean of the gradients: one all-reduce of them all, flattened into one buffer."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(chunk.view_as(g))
+
+
+def train_step(
+    arm: Arm,
+    micro_batches: Sequence[Batch],
+    workload: Workload,
+    world: int,
+    now: Callable[[], float],
+    before_kfac: Callable[[], None] = lambda: None,
+) -> tuple[float, dict[str, float], Optional[float]]:
+    """One optimizer step of ``arm``, timed by phase: returns ``(step seconds, phases, untimed K-FAC seconds)``.
+    ``before_kfac`` runs between the gradient averaging and ``kfac.step()`` (a probe, counted as untimed)."""
+    kfac = arm.kfac
+    if kfac is not None:
+        kfac.timings.clear()
+    t0 = now()
+    arm.optimizer.zero_grad(set_to_none=True)
+    for batch in micro_batches:
+        (workload.loss(arm.model, batch) / len(micro_batches)).backward()
+    t1 = now()
+    if world > 1:
+        average_gradients(arm.model, world)
+    t2 = now()
+    if kfac is not None:
+        before_kfac()
+        kfac.step()
+    t3 = now()
+    arm.optimizer.step()
+    t4 = now()
+    inner = dict(kfac.timings) if kfac is not None else {}
+    hooks = inner.pop("hooks", 0.0)
+    phases = {"forward_backward": t1 - t0 - hooks, "grad_comm": t2 - t1, "base_optimizer": t4 - t3}
+    if kfac is not None:
+        phases.update(hooks=hooks, **inner)
+    return t4 - t0, phases, (t3 - t2 - sum(inner.values())) if kfac is not None else None
+
+
+def run_cycle(
+    arm: Arm,
+    pool: Sequence[Batch],
+    ga: int,
+    cadence: dict[str, int],
+    cycle: int,
+    workload: Workload,
+    world: int,
+    now: Callable[[], float],
+    steps: Optional[int] = None,
+) -> list[Record]:
+    """``steps`` (default ``inv_update_steps``: one whole cycle) optimizer steps of ``arm``; step ``s``
+    gets micro-batches ``s*ga ..`` of the pool."""
+    records = []
+    for _ in range(steps or cadence["inv_update_steps"]):
+        s = arm.steps
+        batches = [pool[(s * ga + m) % len(pool)] for m in range(ga)]
+        step, phases, untimed = train_step(arm, batches, workload, world, now)
+        cls = step_class(s, cadence["factor_update_steps"], cadence["inv_update_steps"])
+        records.append({"cycle": cycle, "class": cls, "step": step, "phases": phases, "untimed": untimed})
+        arm.steps += 1
+    return records
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One configuration on this rank: both arms, warm-up then alternating measured cycles."""
+    workload = WORKLOADS[spec["workload"]]
+    smoke, ga, world, section = spec["smoke"], spec["ga"], spec["world"], spec["kfac_config"]
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if spec["device"] == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    cadence = {key: section[key] for key in CADENCE}
+    torch.manual_seed(spec["seed"])
+    model = workload.build(smoke).to(device).train()
+    initial = copy.deepcopy(model.state_dict())
+    generator = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
+    pool = [{k: v.to(device) for k, v in workload.batch(smoke, generator).items()} for _ in range(POOL)]
+    kfac_group = dist.new_group(list(range(world)))
+
+    base = Arm(model, workload.optimizer(model.parameters()))
+    warmup = spec["warmup_steps"] or cadence["inv_update_steps"]
+    run_cycle(base, pool, ga, cadence, -1, workload, world, now, warmup)
+    rss_base = peak_rss_bytes()
+    kfac_model = workload.build(smoke).to(device).train()
+    kfac_model.load_state_dict(initial)
+    del initial
+    optimizer = workload.optimizer(kfac_model.parameters())
+    kfac = KFACPreconditioner(kfac_model, section, optimizer=optimizer, accumulation_steps=ga, process_group=kfac_group)
+    kfac.timer.synchronize = device.type == "cuda"
+    arm = Arm(kfac_model, optimizer, kfac)
+    run_cycle(arm, pool, ga, cadence, -1, workload, world, now, warmup)
+    rss_kfac = peak_rss_bytes()
+
+    records: dict[str, list[Record]] = {"base": [], "kfac": []}
+    for cycle in range(spec["cycles"]):
+        records["base"] += run_cycle(base, pool, ga, cadence, cycle, workload, world, now)
+        records["kfac"] += run_cycle(arm, pool, ga, cadence, cycle, workload, world, now)
+    # One more K-FAC step, not timed (a factor step: the next cycle's first): its state with the step's
+    # statistics still held, after the last backward and before kfac.step() hands them over.
+    in_step: dict[str, int] = {}
+    batches = [pool[(arm.steps * ga + m) % len(pool)] for m in range(ga)]
+    train_step(arm, batches, workload, world, now, lambda: in_step.update(kfac.memory_usage()))
+    registered = kfac.layer_names
+    layers = count_layers(model, pool[0], workload.loss, kfac.config.conv_factors)
+    return {
+        "records": records,
+        "layers": {"registered": registered, "skipped": [s.name for s in kfac.skipped_layers]},
+        "flops": flops_per_step(
+            layers,
+            registered,
+            ga,
+            cadence["factor_update_steps"],
+            cadence["inv_update_steps"],
+            world,
+            workers_per_layer(section["grad_worker_fraction"], world),
+        ),
+        "memory": {
+            "kfac_state_bytes": kfac.memory_usage(),
+            "kfac_state_bytes_in_step": in_step,
+            "model_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "peak_rss_base_only": rss_base,
+            "peak_rss_with_kfac": rss_kfac,
+        },
+    }
+
+
+def worker(spec_path: Path, rank: int) -> None:
+    """A rank of one configuration: join the group, measure, write ``rank<r>.json`` beside the spec."""
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(1)
+    backend = "nccl" if spec["device"] == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=rank,
+        world_size=spec["world"],
+        timeout=timedelta(seconds=spec["timeout"]),
+    )
+    try:
+        result = measure(spec, rank)
+        if rank:
+            del result["records"]  # the steps are timed on rank 0
+        (spec_path.parent / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # no rank tears down gloo's connections while a peer still uses them
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- summaries
+def phase_order(names: Iterable[str]) -> list[str]:
+    """Phases in the order a step runs them (K-FAC's in its ``PHASES`` order, unknown ones after)."""
+    order = ["forward_backward", "grad_comm", *KFAC_PHASES, "base_optimizer"]
+    names = set(names)
+    return [p for p in order if p in names] + sorted(names - set(order))
+
+
+def mean_phases_ms(records: Sequence[Record], phases: Sequence[str]) -> dict[str, float]:
+    return {p: 1e3 * statistics.fmean(r["phases"].get(p, 0.0) for r in records) for p in phases}
+
+
+def summarize_arm(records: Sequence[Record]) -> dict[str, Any]:
+    """Amortized, per-class and per-step statistics of one arm's measured steps."""
+    phases = phase_order({p for r in records for p in r["phases"]})
+
+    def block(rs: Sequence[Record]) -> dict[str, Any]:
+        mean_ms = 1e3 * statistics.fmean(r["step"] for r in rs)
+        by_phase = mean_phases_ms(rs, phases)
+        return {
+            "count": len(rs),
+            "mean_ms": mean_ms,
+            "phases_ms": by_phase,
+            "coverage": sum(by_phase.values()) / mean_ms,
+        }
+
+    whole = block(records)
+    steps_ms = [1e3 * r["step"] for r in records]
+    out = {
+        "mean_ms": whole["mean_ms"],
+        "median_ms": statistics.median(steps_ms),
+        "slowest_ms": max(steps_ms),
+        "coverage": whole["coverage"],
+        "phases_ms": whole["phases_ms"],
+        "classes": {c: block(rs) for c in CLASSES if (rs := [r for r in records if r["class"] == c])},
+        "step_ms": [
+            [ms for ms, r in zip(steps_ms, records) if r["cycle"] == c] for c in sorted({r["cycle"] for r in records})
+        ],
+    }
+    if records[0]["untimed"] is not None:
+        out["untimed_ms"] = 1e3 * statistics.fmean(r["untimed"] for r in records)
+    return out
+
+
+def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's result from its ranks' measurements (timings from rank 0)."""
+    records = ranks[0]["records"]
+    arms = {arm: summarize_arm(records[arm]) for arm in ARMS}
+    per_cycle = [
+        statistics.fmean(k) / statistics.fmean(b) for b, k in zip(arms["base"]["step_ms"], arms["kfac"]["step_ms"])
+    ]
+    ratio = arms["kfac"]["mean_ms"] / arms["base"]["mean_ms"]
+    memory = [r["memory"] for r in ranks]
+    return {
+        **{key: spec[key] for key in ("workload", "world", "placement", "ga", "load_before")},
+        "kfac_config": spec["kfac_config"],
+        "layers": ranks[0]["layers"],
+        "arms": arms,
+        "ratio": {
+            "mean": ratio,
+            "median": statistics.median(per_cycle),
+            "min": min(per_cycle),
+            "max": max(per_cycle),
+            "per_cycle": per_cycle,
+        },
+        "floor": floor_summary(ranks[0]["flops"], arms["base"]["mean_ms"], arms["kfac"]["phases_ms"], ratio),
+        "memory": {
+            "kfac_state_bytes": [m["kfac_state_bytes"] for m in memory],
+            "kfac_state_bytes_in_step": [m["kfac_state_bytes_in_step"] for m in memory],
+            "model_param_bytes": memory[0]["model_param_bytes"],
+            "peak_rss_bytes": {
+                "base_only": [m["peak_rss_base_only"] for m in memory],
+                "with_kfac": [m["peak_rss_with_kfac"] for m in memory],
+            },
+        },
+    }
+
+
+def label(c: dict[str, Any]) -> str:
+    return f"{c['workload']} w{c['world']} {c['placement']} GA{c['ga']}"
+
+
+def table(configurations: Sequence[dict[str, Any]]) -> str:
+    """The README's Markdown table: one row per configuration."""
+    rows = [
+        "| workload | world | placement | GA | base ms | K-FAC ms | K-FAC/base (median, range over cycles) "
+        "| floor ratio | overhead/floor | K-FAC slowest/median step | K-FAC state MiB/rank |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in configurations:
+        k, r, f = c["arms"]["kfac"], c["ratio"], c["floor"]
+        over = "-" if f["overhead_vs_floor"] is None else f"{f['overhead_vs_floor']:.1f}x"
+        state = max(sum(m.values()) for m in c["memory"]["kfac_state_bytes_in_step"]) / 2**20
+        rows.append(
+            f"| {c['workload']} | {c['world']} | {c['placement']} | {c['ga']} | {c['arms']['base']['mean_ms']:.1f} "
+            f"| {k['mean_ms']:.1f} | {r['mean']:.3f} ({r['median']:.3f}, {r['min']:.3f}-{r['max']:.3f}) "
+            f"| {f['ratio']:.3f} | {over} | {k['slowest_ms'] / k['median_ms']:.1f} | {state:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(path: Path, configurations: Sequence[dict[str, Any]]) -> Path:
+    """A stacked bar per configuration and arm: the amortized ms of each phase (and K-FAC's untimed rest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = phase_order({p for c in configurations for a in ARMS for p in c["arms"][a]["phases_ms"]})
+    segments = [*phases, "untimed_ms"]
+    colors = dict(zip(segments, plt.get_cmap("tab10").colors))
+    colors["untimed_ms"] = "lightgrey"
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(configurations)), 5))
+    for i, c in enumerate(configurations):
+        for j, arm in enumerate(ARMS):
+            a = c["arms"][arm]
+            values = {**a["phases_ms"], "untimed_ms": a.get("untimed_ms", 0.0)}
+            bottom = 0.0
+            for seg in segments:
+                v = values.get(seg, 0.0)
+                lab = ("K-FAC untimed" if seg == "untimed_ms" else seg) if i == 0 and j == 1 else None
+                ax.bar(
+                    i + 0.4 * j - 0.2, v, 0.38, bottom=bottom, color=colors[seg], label=lab, edgecolor="white", lw=0.3
+                )
+                bottom += v
+            ax.text(i + 0.4 * j - 0.2, bottom, arm, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(configurations)), [label(c) for c in configurations], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per optimizer step (amortized over the cycle)")
+    ax.set_title("K-FAC step cost by phase (left bar: base, right bar: K-FAC)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- driver
+def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (workload, world, placement, GA) asked for; at world 1 the placements coincide and run once."""
+    return [
+        {"workload": w, "world": world, "placement": p, "ga": ga}
+        for w in args.workloads
+        for world in args.worlds
+        for p in (args.placements[:1] if world == 1 else args.placements)
+        for ga in args.ga
+    ]
+
+
+def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Run one configuration on ``world`` fresh processes (timed out and cleaned up by ``tests/launch.py``)."""
+    spec = {
+        **config,
+        "kfac_config": kfac_section(config["workload"], args.smoke, args.set, config["placement"]),
+        "cycles": args.cycles,
+        "warmup_steps": args.warmup_steps,
+        "smoke": args.smoke,
+        "device": args.device,
+        "seed": args.seed,
+        "timeout": args.timeout,
+        "port": free_port(),
+        "load_before": os.getloadavg()[0],
+    }
+    with tempfile.TemporaryDirectory(prefix="step_cost_") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        me = str(Path(__file__).resolve())
+        cmds = [[sys.executable, me, "worker", "--spec", str(path), "--rank", str(r)] for r in range(config["world"])]
+        launch.run(cmds, args.timeout)
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(config["world"])]
+    return summarize(spec, ranks)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every configuration in turn; write the JSON and PNG, print the table."""
+    load_before = os.getloadavg()
+    results = []
+    for config in configurations(args):
+        result = launch_configuration(config, args)
+        results.append(result)
+        print(
+            f"{label(result)}: base {result['arms']['base']['mean_ms']:.1f} ms, "
+            f"K-FAC {result['arms']['kfac']['mean_ms']:.1f} ms, ratio {result['ratio']['mean']:.3f} "
+            f"(floor {result['floor']['ratio']:.3f})",
+            flush=True,
+        )
+    import ds_kfac
+
+    out = {
+        "benchmark": "step_cost",
+        "command": " ".join(["python", "benchmarks/step_cost.py", *sys.argv[1:]]),
+        "settings": {
+            key: getattr(args, key)
+            for key in (
+                "workloads",
+                "worlds",
+                "placements",
+                "ga",
+                "cycles",
+                "warmup_steps",
+                "set",
+                "smoke",
+                "device",
+                "seed",
+                "timeout",
+            )
+        },
+        "versions": {**versions(), "ds_kfac": ds_kfac.__version__},
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "floor_constants": {
+            "forward_backward": "6 x multiply-adds of every Linear/Conv2d",
+            "factors": "2 n a^2 + 2 n g^2 per registered layer and micro-batch / factor_update_steps",
+            "precondition": "4 g a (g + a) per layer x gradient workers / world",
+            "decompose": f"{EIGH_FLOPS_PER_DIM3} d^3 per factor / inv_update_steps / world",
+        },
+        "configurations": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    png = plot(args.out.with_suffix(".png"), results)
+    print(f"\n{table(results)}\n\nresults: {args.out}\nplot: {png}")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="measure base and K-FAC steps by phase")
+    r.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    r.add_argument("--worlds", nargs="+", type=int, choices=(1, 2), default=[1, 2])
+    r.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
+    r.add_argument("--ga", nargs="+", type=int, default=[1, 4, 8], help="micro-batches per optimizer step")
+    r.add_argument("--cycles", type=int, default=3, help="measured decomposition cycles per arm (after the warm-up)")
+    r.add_argument(
+        "--warmup-steps",
+        type=int,
+        help="untimed steps per arm first (default: one cycle). A measured cycle is any inv_update_steps "
+        "consecutive steps, so it need not start at a decomposition step; the warm-up should include one",
+    )
+    r.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a K-FAC key")
+    r.add_argument(
+        "--smoke",
+        action="store_true",
+        help="BERT-tiny and ResNet-8 at 16x16, factors every 2 steps, decompositions every 4",
+    )
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
+    r.add_argument("--out", type=Path, default=ROOT / "runs" / "step_cost" / "step_cost.json")
+    t = sub.add_parser("table", help="the Markdown table of saved results")
+    t.add_argument("results", type=Path)
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("--spec", type=Path, required=True)
+    w.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args)
+    elif args.command == "table":
+        print(table(json.loads(args.results.read_text())["configurations"]))
+    else:
+        worker(args.spec, args.rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""benchmarks/step_cost.py: the FLOP floor against a hand count, and its smoke mode on 1 and 2 processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location("step_cost", ROOT / "benchmarks/step_cost.py")
+sc = importlib.util.module_from_spec(_spec)
+sys.modules["step_cost"] = sc  # dataclasses resolve annotations through sys.modules
+_spec.loader.exec_module(sc)
+
+CYCLES = 2
+SCHEMA = {
+    "top": {"benchmark", "command", "settings", "versions", "load_average", "floor_constants", "configurations"},
+    "configuration": {
+        "workload",
+        "world",
+        "placement",
+        "ga",
+        "load_before",
+        "kfac_config",
+        "layers",
+        "arms",
+        "ratio",
+        "floor",
+        "memory",
+    },
+    "arm": {"mean_ms", "median_ms", "slowest_ms", "coverage", "phases_ms", "classes", "step_ms"},
+    "class": {"count", "mean_ms", "phases_ms", "coverage"},
+    "ratio": {"mean", "median", "min", "max", "per_cycle"},
+    "floor": {"flops_per_step", "ratio", "overhead_vs_floor", "phases"},
+    "memory": {"kfac_state_bytes", "kfac_state_bytes_in_step", "model_param_bytes", "peak_rss_bytes"},
+}
+
+
+class ConvThenLinear(nn.Module):
+    """Conv2d(2->3, 3x3, stride 2, pad 1, no bias) on 2x2x4x4, then Linear(12->5) on the flattened 2x12."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=False)
+        self.fc = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).flatten(1))
+
+
+def test_flop_floor_matches_a_hand_count() -> None:
+    model = ConvThenLinear()
+    layers = sc.count_layers(model, {"x": torch.randn(2, 2, 4, 4)}, lambda m, b: m(b["x"]).sum())
+    # conv: output 2x3x2x2, so n = 2*2*2 = 8 rows of 2*3*3 = 18 inputs, 3 outputs: 8*18*3 = 432 multiply-adds.
+    # fc: n = 2 rows, a = 12 + bias column = 13, g = 5: 2*12*5 = 120 multiply-adds.
+    assert {(w.name, w.macs, w.rows, w.a_dim, w.g_dim) for w in layers} == {
+        ("conv", 432, 8, 18, 3),
+        ("fc", 120, 2, 13, 5),
+    }
+    # GA 2, factors every 2 steps, decompositions every 3, world 2, mem-opt (1 gradient worker per layer).
+    flops = sc.flops_per_step(layers, ["conv", "fc"], ga=2, factor_every=2, inv_every=3, world=2, grad_workers=1)
+    assert flops["forward_backward"] == 6 * 2 * (432 + 120)
+    assert flops["factors"] == 2 * (2 * 8 * (18**2 + 3**2) + 2 * 2 * (13**2 + 5**2)) / 2
+    assert flops["precondition"] == (4 * 3 * 18 * (3 + 18) + 4 * 5 * 13 * (5 + 13)) / 2
+    assert flops["decompose"] == 9 * (18**3 + 3**3 + 13**3 + 5**3) / 3 / 2
+    # A skipped layer still costs forward/backward, but no K-FAC work; comm-opt preconditions everything.
+    fc_only = sc.flops_per_step(layers, ["fc"], ga=1, factor_every=1, inv_every=1, world=2, grad_workers=2)
+    assert fc_only == {
+        "forward_backward": 6 * (432 + 120),
+        "factors": 2 * 2 * (13**2 + 5**2),
+        "precondition": 4 * 5 * 13 * 18,
+        "decompose": 9 * (13**3 + 5**3) / 2,
+    }
+    # K-FAC-reduce: one conv row per example (B = 2); the multiply-adds do not change.
+    reduced = sc.count_layers(model, {"x": torch.randn(2, 2, 4, 4)}, lambda m, b: m(b["x"]).sum(), "reduce")
+    assert {(w.name, w.macs, w.rows) for w in reduced} == {("conv", 432, 2), ("fc", 120, 2)}
+    summary = sc.floor_summary(flops, base_mean_ms=10.0, kfac_phases_ms={"hooks": 1.0, "factors": 0.5}, ratio=1.5)
+    extra = flops["factors"] + flops["precondition"] + flops["decompose"]
+    assert summary["ratio"] == pytest.approx(1 + extra / flops["forward_backward"])
+    assert summary["overhead_vs_floor"] == pytest.approx(0.5 / (summary["ratio"] - 1))
+    factors = summary["phases"]["factors"]
+    assert factors["floor_ms"] == pytest.approx(10.0 * flops["factors"] / flops["forward_backward"])
+    assert factors["measured_ms"] == 1.5 and factors["measured_phases"] == ["hooks", "factors"]
+
+
+def _children() -> list[int]:
+    """Live processes whose parent is this one."""
+    me, found = str(os.getpid()), []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == me and not fields.get("State", "").startswith("Z"):
+            found.append(int(status.parent.name))
+    return found
+
+
+def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
+    assert set(result) == SCHEMA["top"]
+    configs = result["configurations"]
+    assert [(c["workload"], c["world"], c["ga"]) for c in configs] == [
+        (w, world, ga) for w in workloads for ga in (1, 4)
+    ]
+    for c in configs:
+        assert set(c) == SCHEMA["configuration"]
+        assert c["kfac_config"]["factor_update_steps"] == 2 and c["kfac_config"]["inv_update_steps"] == 4
+        for name in sc.ARMS:
+            arm = c["arms"][name]
+            assert set(arm) == SCHEMA["arm"] | ({"untimed_ms"} if name == "kfac" else set())
+            assert len(arm["step_ms"]) == CYCLES and all(len(cycle) == 4 for cycle in arm["step_ms"])
+            # Per 4-step cycle: index 0 decomposes, 2 updates factors, 1 and 3 are plain.
+            expected_counts = {"decomposition": CYCLES, "factor": CYCLES, "plain": 2 * CYCLES}
+            assert {k: v["count"] for k, v in arm["classes"].items()} == expected_counts
+            for block in [arm, *arm["classes"].values()]:
+                assert all(ms >= 0 for ms in block["phases_ms"].values()), (name, block["phases_ms"])
+                assert 0.9 <= block["coverage"] <= 1.1, (name, block["coverage"], block["phases_ms"])
+                assert block["coverage"] == pytest.approx(sum(block["phases_ms"].values()) / block["mean_ms"])
+            assert arm["median_ms"] <= arm["slowest_ms"]
+        kfac = c["arms"]["kfac"]
+        assert kfac["untimed_ms"] >= 0
+        assert kfac["classes"]["decomposition"]["phases_ms"]["decompose"] > 0
+        assert kfac["classes"]["plain"]["phases_ms"].get("decompose", 0.0) == 0.0
+        assert set(c["ratio"]) == SCHEMA["ratio"] and len(c["ratio"]["per_cycle"]) == CYCLES
+        assert c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
+        assert c["ratio"]["mean"] == pytest.approx(kfac["mean_ms"] / c["arms"]["base"]["mean_ms"])
+        floor = c["floor"]
+        assert set(floor) == SCHEMA["floor"] and floor["ratio"] > 1 and floor["overhead_vs_floor"] > 0
+        assert set(floor["phases"]) == {"factors", "precondition", "decompose"}
+        memory = c["memory"]
+        assert set(memory) == SCHEMA["memory"] and len(memory["kfac_state_bytes"]) == world
+        assert all(m["factors"] > 0 and m["decompositions"] > 0 for m in memory["kfac_state_bytes"])
+        # During a factor step the step's statistics are held on top of the running state.
+        held = zip(memory["kfac_state_bytes"], memory["kfac_state_bytes_in_step"])
+        assert all(sum(during.values()) >= sum(after.values()) for after, during in held)
+        rss = memory["peak_rss_bytes"]
+        assert all(0 < b <= k for b, k in zip(rss["base_only"], rss["with_kfac"])) and len(rss["base_only"]) == world
+
+
+@pytest.mark.parametrize(
+    "world, workloads, placement",
+    [(1, ["bert-mini", "resnet20"], "comm-opt"), (2, ["resnet20"], "mem-opt")],
+)
+def test_smoke_run_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture, world: int, workloads: list[str], placement: str
+) -> None:
+    out = tmp_path / "step_cost.json"
+    args = ["run", "--smoke", "--workloads", *workloads, "--worlds", str(world), "--placements", placement]
+    sc.main([*args, "--ga", "1", "4", "--cycles", str(CYCLES), "--timeout", "60", "--out", str(out)])
+    assert not _children()
+    result = json.loads(out.read_text())
+    _check(result, world, workloads)
+    assert out.with_suffix(".png").stat().st_size > 0
+    capsys.readouterr()
+    sc.main(["table", str(out)])
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].startswith("| workload | world | placement | GA |") and rows[1].startswith("| --- |")
+    assert len(rows) == 2 + len(result["configurations"])
+    assert all(
+        f"| {c['workload']} | {world} | {placement} | {c['ga']} |" in row
+        for c, row in zip(result["configurations"], rows[2:])
+    )
