@@ -1,14 +1,15 @@
 """What overlapping the factor reduction with backward saves: step time with ``overlap_factor_comm`` on and off.
 
-DDP + standalone preconditioner on the BERT-shaped stack of ``kfac_overhead.py``,
+DDP + standalone preconditioner on a BERT-shaped stack of Linear layers,
 factors every step (their reduction is the per-step traffic), decompositions
 rarely. Prints a Markdown table on rank 0. Run with torchrun::
 
     torchrun --nproc_per_node 2 benchmarks/overlap.py                 # CPU, gloo
     torchrun --nproc_per_node 8 benchmarks/overlap.py --device cuda --hidden 1024 --layers 24
 
-The "factors" column is the time the step spends finishing the reduction:
-with overlap, only what had not completed during backward.
+The "factors" column is the time the step spends finishing the reduction and
+folding the factors in (``factor_comm`` + ``factors``): with overlap, only what
+had not completed during backward.
 """
 
 from __future__ import annotations
@@ -19,10 +20,19 @@ import time
 
 import torch
 import torch.distributed as dist
-from kfac_overhead import bert_like
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_kfac import KFACPreconditioner
+
+
+def bert_like(hidden: int, layers: int) -> nn.Module:
+    """Per encoder layer: q, k, v, o (hidden -> hidden) and the feed-forward pair (hidden <-> 4 hidden)."""
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(hidden, hidden) for _ in range(4)]
+        blocks += [nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)]
+    return nn.Sequential(*blocks)
 
 
 def time_steps(args: argparse.Namespace, overlap: bool) -> tuple[float, float, int]:

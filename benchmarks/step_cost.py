@@ -467,11 +467,16 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     for cycle in range(spec["cycles"]):
         records["base"] += run_cycle(base, pool, ga, cadence, cycle, workload, world, now)
         records["kfac"] += run_cycle(arm, pool, ga, cadence, cycle, workload, world, now)
-    # One more K-FAC step, not timed (a factor step: the next cycle's first): its state with the step's
-    # statistics still held, after the last backward and before kfac.step() hands them over.
+    # Untimed steps up to the next factor step, then its state with the step's statistics still held,
+    # after the last backward and before kfac.step() hands them over.
     in_step: dict[str, int] = {}
-    batches = [pool[(arm.steps * ga + m) % len(pool)] for m in range(ga)]
-    train_step(arm, batches, workload, world, now, lambda: in_step.update(kfac.memory_usage()))
+    while True:
+        batches = [pool[(arm.steps * ga + m) % len(pool)] for m in range(ga)]
+        factor_step = arm.steps % cadence["factor_update_steps"] == 0
+        train_step(arm, batches, workload, world, now, lambda: in_step.update(kfac.memory_usage()))
+        arm.steps += 1
+        if factor_step:
+            break
     registered = kfac.layer_names
     layers = count_layers(model, pool[0], workload.loss, kfac.config.conv_factors)
     return {
@@ -600,23 +605,59 @@ def label(c: dict[str, Any]) -> str:
     return f"{c['workload']} w{c['world']} {c['placement']} GA{c['ga']}"
 
 
-def table(configurations: Sequence[dict[str, Any]]) -> str:
-    """The README's Markdown table: one row per configuration."""
+def overrides_label(overrides: Sequence[str]) -> str:
+    """The ``--set`` overrides of a run, short (``conv_factors=reduce, async_decompositions=true``); "as shipped" if none."""
+    return ", ".join(o.replace('"', "") for o in overrides) or "as shipped"
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """The README's Markdown table: one row per configuration of each results file."""
     rows = [
-        "| workload | world | placement | GA | base ms | K-FAC ms | K-FAC/base (median, range over cycles) "
-        "| floor ratio | overhead/floor | K-FAC slowest/median step | K-FAC state MiB/rank |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | K-FAC settings | world | placement | GA | base ms | K-FAC ms "
+        "| K-FAC/base: mean (median, range over cycles) | floor ratio | overhead/floor "
+        "| K-FAC slowest step/median (base) | K-FAC costliest step class/median | K-FAC state MiB/rank |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for c in configurations:
-        k, r, f = c["arms"]["kfac"], c["ratio"], c["floor"]
-        over = "-" if f["overhead_vs_floor"] is None else f"{f['overhead_vs_floor']:.1f}x"
-        state = max(sum(m.values()) for m in c["memory"]["kfac_state_bytes_in_step"]) / 2**20
-        rows.append(
-            f"| {c['workload']} | {c['world']} | {c['placement']} | {c['ga']} | {c['arms']['base']['mean_ms']:.1f} "
-            f"| {k['mean_ms']:.1f} | {r['mean']:.3f} ({r['median']:.3f}, {r['min']:.3f}-{r['max']:.3f}) "
-            f"| {f['ratio']:.3f} | {over} | {k['slowest_ms'] / k['median_ms']:.1f} | {state:.1f} |"
-        )
+    for result in results:
+        settings = overrides_label(result["settings"]["set"])
+        for c in result["configurations"]:
+            k, r, f = c["arms"]["kfac"], c["ratio"], c["floor"]
+            over = "-" if f["overhead_vs_floor"] is None else f"{f['overhead_vs_floor']:.2f}x"
+            state = max(sum(m.values()) for m in c["memory"]["kfac_state_bytes_in_step"]) / 2**20
+            base_spread = c["arms"]["base"]["slowest_ms"] / c["arms"]["base"]["median_ms"]  # the machine's noise
+            costliest = max(cls["mean_ms"] for cls in k["classes"].values() if cls["count"])
+            rows.append(
+                f"| {c['workload']} | {settings} | {c['world']} | {c['placement']} | {c['ga']} "
+                f"| {c['arms']['base']['mean_ms']:.1f} | {k['mean_ms']:.1f} "
+                f"| {r['mean']:.3f} ({r['median']:.3f}, {r['min']:.3f}-{r['max']:.3f}) "
+                f"| {f['ratio']:.3f} | {over} | {k['slowest_ms'] / k['median_ms']:.2f} ({base_spread:.2f}) "
+                f"| {costliest / k['median_ms']:.2f} | {state:.1f} |"
+            )
     return "\n".join(rows)
+
+
+def phase_table(results: Sequence[dict[str, Any]]) -> str:
+    """Where the milliseconds go: each arm's amortized ms per phase, and K-FAC's phases against their floor."""
+    phases = phase_order(
+        {p for r in results for c in r["configurations"] for a in ARMS for p in c["arms"][a]["phases_ms"]}
+    )
+    rows = [
+        "| configuration | arm | " + " | ".join(phases) + " | untimed | step |",
+        "| --- | --- | " + " | ".join("---" for _ in phases) + " | --- | --- |",
+    ]
+    floors = ["| configuration | K-FAC phase | floor ms | measured ms | x floor |", "| --- | --- | --- | --- | --- |"]
+    for result in results:
+        settings = overrides_label(result["settings"]["set"])
+        for c in result["configurations"]:
+            name = f"{label(c)} ({settings})"
+            for arm in ARMS:
+                a = c["arms"][arm]
+                cells = " | ".join(f"{a['phases_ms'].get(p, 0.0):.1f}" for p in phases)
+                rows.append(f"| {name} | {arm} | {cells} | {a.get('untimed_ms', 0.0):.1f} | {a['mean_ms']:.1f} |")
+            for phase, f in c["floor"]["phases"].items():
+                times = "-" if f["times_floor"] is None else f"{f['times_floor']:.2f}"
+                floors.append(f"| {name} | {phase} | {f['floor_ms']:.1f} | {f['measured_ms']:.1f} | {times} |")
+    return "\n".join(rows) + "\n\n" + "\n".join(floors)
 
 
 def plot(path: Path, configurations: Sequence[dict[str, Any]]) -> Path:
@@ -738,7 +779,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     png = plot(args.out.with_suffix(".png"), results)
-    print(f"\n{table(results)}\n\nresults: {args.out}\nplot: {png}")
+    print(f"\n{table([out])}\n\nresults: {args.out}\nplot: {png}")
     return out
 
 
@@ -767,8 +808,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "step_cost" / "step_cost.json")
-    t = sub.add_parser("table", help="the Markdown table of saved results")
-    t.add_argument("results", type=Path)
+    t = sub.add_parser("table", help="the Markdown tables of saved results (several files: one table)")
+    t.add_argument("results", type=Path, nargs="+")
+    t.add_argument("--phases", action="store_true", help="the per-phase breakdown and floors instead")
     w = sub.add_parser("worker", help=argparse.SUPPRESS)
     w.add_argument("--spec", type=Path, required=True)
     w.add_argument("--rank", type=int, required=True)
@@ -776,7 +818,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.command == "run":
         run(args)
     elif args.command == "table":
-        print(table(json.loads(args.results.read_text())["configurations"]))
+        results = [json.loads(path.read_text()) for path in args.results]
+        print(phase_table(results) if args.phases else table(results))
     else:
         worker(args.spec, args.rank)
 

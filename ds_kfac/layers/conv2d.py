@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -80,13 +81,19 @@ class Conv2dAdapter(LayerAdapter):
         The sum over positions of the patch entry at kernel offset ``(i, j)`` is the sum of
         the input over the rows that offset ``i`` visits and the columns offset ``j`` visits,
         so ``S = M_h X M_w^T`` per input channel ``X`` with 0/1 matrices ``M_h`` (``kh x H``) and ``M_w`` (``kw x W``):
-        two small matmuls, ``O(B C H W kh)``, instead of a ``C kh kw x B R`` patch matrix.
+        two GEMMs over all examples and channels at once, ``O(B C H W (kh + kw))``, instead of a
+        ``C kh kw x B R`` patch matrix.
         """
         m, (left, right, top, bottom) = self.module, self._pad
-        rows, out_h = _visited(x, x.shape[2], top, bottom, m.kernel_size[0], m.dilation[0], m.stride[0])
-        cols, out_w = _visited(x, x.shape[3], left, right, m.kernel_size[1], m.dilation[1], m.stride[1])
-        sums = rows @ x.to(rows.dtype) @ cols.t()  # B x C x kh x kw, in unfold's column order
-        return sums.reshape(x.shape[0], -1).div_(out_h * out_w)
+        b, c, h, w = x.shape
+        dtype = _reduction_dtype(x)
+        rows, out_h = _visited(h, top, bottom, m.kernel_size[0], m.dilation[0], m.stride[0], dtype, x.device)
+        cols, out_w = _visited(w, left, right, m.kernel_size[1], m.dilation[1], m.stride[1], dtype, x.device)
+        kh, kw = rows.shape[0], cols.shape[0]
+        by_column = x.to(dtype).reshape(b * c * h, w) @ cols.t()  # (B C H) x kw
+        sums = by_column.view(b * c, h, kw).transpose(1, 2).reshape(b * c * kw, h) @ rows.t()  # (B C kw) x kh
+        # B x C x kh x kw: unfold's column order.
+        return sums.view(b, c, kw, kh).transpose(2, 3).reshape(b, -1).div_(out_h * out_w)
 
 
 def _reduction_dtype(t: torch.Tensor) -> torch.dtype:
@@ -94,16 +101,25 @@ def _reduction_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+@functools.lru_cache(maxsize=256)
 def _visited(
-    like: torch.Tensor, size: int, pad_before: int, pad_after: int, kernel: int, dilation: int, stride: int
+    size: int,
+    pad_before: int,
+    pad_after: int,
+    kernel: int,
+    dilation: int,
+    stride: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[torch.Tensor, int]:
     """The ``kernel x size`` 0/1 matrix whose entry ``(k, y)`` is 1 when kernel offset ``k``
     reads input index ``y`` at some output position (reads of the zero padding add nothing),
-    and the number of output positions along this dimension."""
+    and the number of output positions along this dimension. Cached: a layer sees few input
+    sizes, and the matrix is only read."""
     out = (size + pad_before + pad_after - dilation * (kernel - 1) - 1) // stride + 1
-    offsets = torch.arange(kernel, device=like.device)[:, None] * dilation - pad_before
-    read = offsets + stride * torch.arange(out, device=like.device)  # kernel x out input indices
-    visited = torch.zeros(kernel, size + 1, dtype=_reduction_dtype(like), device=like.device)
+    offsets = torch.arange(kernel, device=device)[:, None] * dilation - pad_before
+    read = offsets + stride * torch.arange(out, device=device)  # kernel x out input indices
+    visited = torch.zeros(kernel, size + 1, dtype=dtype, device=device)
     # Reads of the padding go to a spare last column, dropped below; one offset never reads an index twice.
     visited.scatter_(1, torch.where((read >= 0) & (read < size), read, size), 1.0)
     return visited[:, :size], out
