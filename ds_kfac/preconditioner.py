@@ -236,13 +236,14 @@ class KFACPreconditioner:
         blocks, grads, fragments = layout.gather(self.blocks)
         mine = [distributor.is_grad_worker(b) for b in blocks]
         chosen = [i for i, m in enumerate(mine) if m]
-        if self._stacks.stale([blocks[i] for i in chosen]):
+        mine_blocks = [blocks[i] for i in chosen]
+        if self._stacks.stale(mine_blocks):
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
-                self._stacks.prepare([blocks[i] for i in chosen])
+                self._stacks.prepare(mine_blocks)
         with self.timer.phase("precondition"):
             damping = resolve(self.config.damping, s)
             graft = self.config.grafting == "gradient"
-            results = self._stacks.precondition([blocks[i] for i in chosen], [grads[i] for i in chosen], damping, graft)
+            results = self._stacks.precondition(mine_blocks, [grads[i] for i in chosen], damping, graft)
             out: list[Optional[torch.Tensor]] = [None] * len(blocks)
             for i, result in zip(chosen, results):
                 out[i] = result
@@ -306,10 +307,14 @@ class KFACPreconditioner:
         self._run_in_background(started, install_at)
 
     def _run_in_background(self, started: int, install_at: int) -> None:
-        seen = [b for b in self.blocks if b.name in self._seen]
+        seen = self._seen_blocks()
         damping = resolve(self.config.damping, started)
         job = Background(partial(self.distributor.compute_sides, seen, damping), blocks_device(self.blocks))
         self._pending = PendingDecompositions(started, install_at, seen, job)
+
+    def _seen_blocks(self) -> list[KFACBlock]:
+        """The blocks that have had factors (the same on every rank): those that are decomposed."""
+        return [b for b in self.blocks if b.name in self._seen]
 
     def _is_factor_step(self, step: int) -> bool:
         return step % resolve(self.config.factor_update_steps, step) == 0
@@ -375,8 +380,7 @@ class KFACPreconditioner:
         return ready
 
     def _update_decompositions(self, damping: float, due: Optional[set[tuple[str, str]]] = None) -> None:
-        seen = [b for b in self.blocks if b.name in self._seen]
-        self._adopt(*self.distributor.decompose(seen, damping, due))
+        self._adopt(*self.distributor.decompose(self._seen_blocks(), damping, due))
 
     def _adopt(self, chosen: list[KFACBlock], states: list[tuple]) -> None:
         """Install the candidate decompositions that are finite; keep the previous ones of the others."""

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from .factors import is_finite
+
 if TYPE_CHECKING:
     from ..config import KFACConfig
 
@@ -91,11 +93,10 @@ def _floored(damping: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(state: Optional[State]) -> torch.Tensor:
-    """Whether a decomposition exists and is finite, as a device tensor (no host sync): one
-    summing pass per tensor, no temporaries of its size (a NaN or infinity makes the sum non-finite)."""
+    """Whether a decomposition exists and is finite, as a device tensor (no host sync)."""
     if state is None:
         return torch.tensor(False)
-    return torch.stack([torch.isfinite(t.sum()) for t in state]).all()
+    return torch.stack([is_finite(t) for t in state]).all()
 
 
 class Decomposition(ABC):

@@ -89,10 +89,15 @@ class KroneckerFactor:
         return torch.lerp(self.value.to(new.dtype), new, 1.0 - decay).to(self.dtype)
 
 
+def is_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` is finite, as a device tensor (no host sync): one summing pass, no temporary of
+    its size. A NaN or infinity makes the sum non-finite (summed in float32 or better, so a finite
+    float16 tensor does not overflow its own sum)."""
+    return torch.isfinite(t.sum(dtype=compute_dtype(t.dtype)))
+
+
 def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor is finite: one summing pass per tensor (no temporaries of its size),
-    and one host sync for all of them. A NaN or infinity in a tensor makes its sum non-finite
-    (summed in float32 or better, so a finite float16 factor does not overflow its own sum)."""
+    """:func:`is_finite` of each tensor, with one host sync for all of them."""
     if not tensors:
         return []
-    return torch.stack([torch.isfinite(t.sum(dtype=compute_dtype(t.dtype))) for t in tensors]).tolist()
+    return torch.stack([is_finite(t) for t in tensors]).tolist()
