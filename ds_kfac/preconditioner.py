@@ -2,9 +2,10 @@
 
 One optimizer step flows one way:
 
-1. **collect** (module hooks, during forward/backward of every micro-batch of
-   a factor-update step): each registered layer adds its micro-batch factors
-   ``A`` and ``G`` to its accumulators;
+1. **collect** (:class:`~ds_kfac.collection.FactorCollector`'s module hooks,
+   during forward/backward of every micro-batch of a factor-update step): each
+   registered layer adds its micro-batch factors ``A`` and ``G`` to its
+   accumulators, counting a forward call only once its output gets a backward;
 2. **reduce** (``step()``, factor-update steps): the step's factors are
    averaged over data-parallel ranks in bucketed collectives and folded into
    the running averages;
@@ -29,14 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collection import FactorCollector, LossScale
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
 from .layers import SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout
 from .timing import PhaseTimer
-
-LossScale = Callable[[], Union[float, torch.Tensor]]
 
 
 @dataclass
@@ -135,10 +135,8 @@ class KFACPreconditioner:
         self.optimizer = optimizer
         self.lr = lr
         self.accumulation_steps = accumulation_steps
-        self.loss_scale = loss_scale
         if boundary is None and accumulation_steps == 1:
             boundary = _every_backward_ends_a_step
-        self._last_micro_batch = boundary if self.config.overlap_factor_comm else None
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
 
@@ -167,54 +165,27 @@ class KFACPreconditioner:
         self._pending: Optional[PendingDecompositions] = None
         self._stacks = StackedStates()
         self._reported_missing: set[str] = set()
+        self._reported_unanswered: set[str] = set()
         self._seen: set[str] = set()  # layers that have had factors (the same set on every rank)
-        self._collecting = True
-        self._handles = [
-            block.adapter.module.register_forward_hook(partial(self._forward_hook, block)) for block in self.blocks
-        ]
-
-    # ------------------------------------------------------------------ hooks
-    def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
-        if not (self._collecting and module.training and torch.is_grad_enabled()):
-            return
-        if not self.distributor.collects(block):
-            return
-        with self.timer.phase("hooks"):
-            self._refuse_after_hand_over(block)
-            x = inputs[0]
-            block.a.accumulate(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x)))
-
-    def _output_grad_hook(self, block: KFACBlock, batch_size: int, grad: torch.Tensor) -> None:
-        with self.timer.phase("hooks"):
-            # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
-            self._refuse_after_hand_over(block)
-            scale = self.loss_scale() if self.loss_scale is not None else 1.0
-            block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
-            # Complete once every forward call of the step has had its backward (counts, so that
-            # a layer called several times per micro-batch waits for its last call).
-            done = self._last_micro_batch is not None and block.g.pending == block.a.pending
-            if done and self._last_micro_batch():
-                self.distributor.statistics_ready(block)
-
-    def _refuse_after_hand_over(self, block: KFACBlock) -> None:
-        if self.distributor.handed_over(block):
-            raise RuntimeError(
-                f"K-FAC layer {block.name!r} ran again after its factors for this step were final and sent "
-                f"(at the last micro-batch's backward). If one optimizer step runs several forward/backward "
-                f"passes, pass accumulation_steps (and boundary), or set overlap_factor_comm to false"
-            )
+        self.collector = FactorCollector(
+            self.blocks,
+            self.distributor,
+            self.timer,
+            accumulation_steps=accumulation_steps,
+            loss_scale=loss_scale,
+            last_micro_batch=boundary if self.config.overlap_factor_comm else None,
+        )
 
     @property
     def collecting(self) -> bool:
         """Whether the hooks gather factors for the step in progress (``steps % factor_update_steps == 0``)."""
-        return self._collecting
+        return self.collector.collecting
 
     def discard_step_statistics(self) -> None:
         """Forget the factors gathered for the step in progress (e.g. it overflowed and is skipped).
         Collective when factors are reduced during backward: call it on every rank."""
         self.distributor.discard_statistics()
+        self.collector.discard()
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -224,12 +195,18 @@ class KFACPreconditioner:
         ``layout`` says where the reduced gradients lie; the default is each
         parameter's whole ``.grad`` (plain PyTorch, DDP, ZeRO stage 0).
         """
-        self.precondition_gradients(layout or GradientLayout())
-        self.finish_step()
+        if self.precondition_gradients(layout or GradientLayout()):
+            self.finish_step()
 
     @torch.no_grad()
-    def precondition_gradients(self, layout: GradientLayout) -> None:
-        """Steps 2-4 of the flow for the step in progress, without advancing the step counter."""
+    def precondition_gradients(self, layout: GradientLayout) -> bool:
+        """Steps 2-4 of the flow for the step in progress, without advancing the step counter.
+
+        Returns whether it ran: a step with no backward through any registered layer since the
+        last one (``step()`` called twice) would precondition the same gradients again, so it is
+        skipped with a warning and counted as ``steps_without_backward``."""
+        if not self.collector.backward_seen:
+            return self._no_backward(layout)
         self.update_curvature()
         s = self.steps
         distributor = self.distributor
@@ -268,6 +245,27 @@ class KFACPreconditioner:
                 self.last_nu = nu
                 out = [None if p is None else p.mul_(nu.to(p.dtype)) for p in out]
             layout.write(blocks, fragments, distributor.share_preconditioned(blocks, out, grads))
+        return True
+
+    def _no_backward(self, layout: GradientLayout) -> bool:
+        """A step that no registered layer's backward preceded: refuse a model whose hooks never ran although
+        its layers have gradients (a compiled graph built without them); otherwise skip it with a warning."""
+        if not self.collector.ever_fired and layout.has_gradients(self.blocks):
+            raise RuntimeError(
+                f"K-FAC's module hooks have never run, yet its layers {self.layer_names} have gradients: the model "
+                f"ran without them. Either it ran a torch.compile graph built before K-FAC attached its hooks (also "
+                f"through the compile cache of another instance of the same class): attach K-FAC first, then "
+                f"compile (fullgraph=False), or call torch._dynamo.reset() before compiling; or these layers are "
+                f"called through a functional path (F.linear on their weight): list them in skip_layers"
+            )
+        self.counters["steps_without_backward"] += 1
+        warnings.warn(
+            f"K-FAC step {self.steps} skipped: no backward pass through its layers since the last step "
+            f"(step() called twice?); the gradients were left as they are and the step count did not advance",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
 
     @torch.no_grad()
     def update_curvature(self) -> None:
@@ -277,7 +275,7 @@ class KFACPreconditioner:
             with self.timer.phase("decompose"):
                 self._adopt(*self.distributor.share_sides(self._pending.blocks, *self._pending.job.result()))
             self._pending = None
-        if self._collecting:
+        if self.collector.collecting:
             self._update_factors(resolve(self.config.factor_decay, s))
         damping = resolve(self.config.damping, s)
         if self.refresh is not None:
@@ -329,7 +327,7 @@ class KFACPreconditioner:
 
     def _arm_hooks(self) -> None:
         """Collect factors during the step in progress iff ``steps % factor_update_steps == 0``."""
-        self._collecting = self._is_factor_step(self.steps)
+        self.collector.arm(self._is_factor_step(self.steps))
 
     def _update_factors(self, decay: float) -> None:
         with self.timer.phase("factor_comm"):
@@ -337,11 +335,35 @@ class KFACPreconditioner:
         with self.timer.phase("factors"):
             bad = self.distributor.fold_factors(reduced, decay)
         if bad:
-            self.counters["nonfinite_factor_updates"] += bad
+            self.counters["nonfinite_factor_updates"] += len(bad)
+            cause = ""
+            if self.config.factor_dtype == "float16":
+                cause = (
+                    " factor_dtype is float16, which overflows above 65504 in storage and in communication: "
+                    "use bfloat16 or float32 if the factors are that large."
+                )
             warnings.warn(
-                f"K-FAC skipped {bad} non-finite factor update(s) (each keeps its previous running average)",
+                f"K-FAC skipped non-finite factor updates of {bad} (each keeps its previous running average).{cause}",
                 RuntimeWarning,
                 stacklevel=4,
+            )
+        self._report_unanswered()
+
+    def _report_unanswered(self) -> None:
+        """Count (and report once per layer) forward calls of the step whose output got no backward."""
+        unanswered = self.collector.unanswered()
+        if not unanswered:
+            return
+        self.counters["forwards_without_backward"] += sum(unanswered.values())
+        new = set(unanswered) - self._reported_unanswered
+        if new:
+            self._reported_unanswered |= new
+            warnings.warn(
+                f"K-FAC ignored forward passes in training mode whose outputs got no backward "
+                f"({ {name: unanswered[name] for name in sorted(new)} } calls per layer; e.g. a metric computed "
+                f"without torch.no_grad()): they do not enter A. Wrap such passes in torch.no_grad() or model.eval()",
+                RuntimeWarning,
+                stacklevel=5,
             )
 
     def _blocks_with_statistics(self) -> list[KFACBlock]:
@@ -368,10 +390,11 @@ class KFACPreconditioner:
             new = set(missing) - self._reported_missing
             if new:
                 self._reported_missing |= new
+                passing = " (only scaled by the KL clip's factor nu, as every layer is)" if self.config.kl_clip else ""
                 warnings.warn(
                     f"K-FAC layers whose hooks did not fire this step (called through a functional path, "
-                    f"unused, or without grad?): {sorted(new)}; their gradients pass through unpreconditioned "
-                    f"until they have factors",
+                    f"unused, or without grad?): {sorted(new)}; until they have factors their gradients are not "
+                    f"preconditioned{passing}",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -398,8 +421,9 @@ class KFACPreconditioner:
         if failed:
             self.counters["failed_decompositions"] += len(failed)
             warnings.warn(
-                f"K-FAC decomposition not finite for {failed}; keeping the previous one "
-                f"(or passing the gradient through)",
+                f"K-FAC could not decompose {failed} (a factor without a finite running average yet, see any "
+                f"non-finite factor warning, or a decomposition that is not finite); keeping the previous "
+                f"decomposition, or passing the gradient through before the first",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -458,9 +482,7 @@ class KFACPreconditioner:
         return [b.name for b in self.blocks]
 
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.collector.remove()
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -33,26 +33,25 @@ class KroneckerFactor:
         self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0, bias_column: bool = False
     ) -> None:
         """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows,
-        with a trailing 1 appended to each row when ``bias_column``.
-
-        One fused GEMM into the accumulator (``addmm_``); the bias column is
-        added in block form (``[x;1][x;1]^T = [[x x^T, x], [x^T, 1]]``), so the
-        rows are never copied into a wider matrix."""
+        with a trailing 1 appended to each row when ``bias_column``."""
         x = rows.detach().to(compute_dtype(self.dtype))
-        n = x.shape[0]
         if self._sum is None:
             self._sum = x.new_zeros(self.dim, self.dim)
-        weight = scale * scale / n
-        d = x.shape[1]
-        if isinstance(weight, torch.Tensor):  # a device loss scale: no host sync to read it
-            self._sum[:d, :d].add_((x.t() @ x).mul_(weight))
+        _add_outer(self._sum, x, scale, bias_column)
+        self._count += 1
+
+    def statistic(self, rows: torch.Tensor, bias_column: bool = False) -> torch.Tensor:
+        """One micro-batch's ``(1/n) sum_r x_r x_r^T`` as a new matrix, to :meth:`add` later (``A`` is
+        computed at the forward pass but counts only once its output gets a backward)."""
+        x = rows.detach().to(compute_dtype(self.dtype))
+        return _add_outer(x.new_zeros(self.dim, self.dim), x, 1.0, bias_column)
+
+    def add(self, statistic: torch.Tensor) -> None:
+        """Add a :meth:`statistic` as one micro-batch (the first is adopted, not copied)."""
+        if self._sum is None:
+            self._sum = statistic
         else:
-            self._sum[:d, :d].addmm_(x.t(), x, alpha=weight)
-        if bias_column:
-            column = x.sum(dim=0).mul_(weight)
-            self._sum[:d, d].add_(column)
-            self._sum[d, :d].add_(column)
-            self._sum[d, d].add_(n * weight)
+            self._sum.add_(statistic)
         self._count += 1
 
     def nbytes(self) -> tuple[int, int]:
@@ -87,6 +86,25 @@ class KroneckerFactor:
         if self.value is None:
             return new.to(self.dtype, copy=True)
         return torch.lerp(self.value.to(new.dtype), new, 1.0 - decay).to(self.dtype)
+
+
+def _add_outer(
+    target: torch.Tensor, x: torch.Tensor, scale: Union[float, torch.Tensor], bias_column: bool
+) -> torch.Tensor:
+    """``target += (scale^2 / n) [x;1]^T [x;1]`` for ``n`` rows ``x``: one fused GEMM (``addmm_``), the bias
+    column added in block form (``[[x^T x, x^T 1], [1^T x, n]]``), so the rows are never copied wider."""
+    n, d = x.shape
+    weight = scale * scale / n
+    if isinstance(weight, torch.Tensor):  # a device loss scale: no host sync to read it
+        target[:d, :d].add_((x.t() @ x).mul_(weight))
+    else:
+        target[:d, :d].addmm_(x.t(), x, alpha=weight)
+    if bias_column:
+        column = x.sum(dim=0).mul_(weight)
+        target[:d, d].add_(column)
+        target[d, :d].add_(column)
+        target[d, d].add_(n * weight)
+    return target
 
 
 def is_finite(t: torch.Tensor) -> torch.Tensor:

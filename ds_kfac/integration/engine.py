@@ -96,8 +96,10 @@ class KFACEngine(DeepSpeedEngine):
             super().step(lr_kwargs)
             return
         snapshot = self.kfac.snapshot()
-        self.kfac.precondition_gradients(self._grad_layout)
+        preconditioned = self.kfac.precondition_gradients(self._grad_layout)
         super().step(lr_kwargs)
+        if not preconditioned:
+            return
         if self.was_step_applied():
             self.kfac.finish_step()
             self._write_monitor_events()

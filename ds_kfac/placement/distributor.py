@@ -163,22 +163,22 @@ class Distributor:
         ]
 
     @staticmethod
-    def fold_factors(reduced: Sequence[tuple[KFACBlock, str, Optional[torch.Tensor]]], decay: float) -> int:
-        """Fold reduced factors into the running averages (dropping those this rank does not keep);
-        a factor whose result would not be finite keeps its previous value. Returns how many were
-        not finite (one host sync for all)."""
+    def fold_factors(reduced: Sequence[tuple[KFACBlock, str, Optional[torch.Tensor]]], decay: float) -> list[str]:
+        """Fold reduced factors into the running averages (dropping those this rank does not keep).
+        A factor whose result is not finite in its storage dtype keeps its previous value. Returns
+        those factors, as ``"layer/A"`` or ``"layer/G"`` (one host sync for all)."""
         blended = []
         for block, side, value in reduced:
             factor = block.a if side == "A" else block.g
             if value is None:
                 factor.value = None
             else:
-                blended.append((factor, factor.blend(value, decay)))
-        ok = finite_flags([b for _, b in blended])
-        for (factor, value), good in zip(blended, ok):
+                blended.append((f"{block.name}/{side}", factor, factor.blend(value, decay)))
+        ok = finite_flags([b for _, _, b in blended])
+        for (_, factor, value), good in zip(blended, ok):
             if good:
                 factor.value = value
-        return ok.count(False)
+        return [name for (name, _, _), good in zip(blended, ok) if not good]
 
     def _worker_global(self, block: KFACBlock, side: str) -> int:
         return self.groups.to_global(self.worker(block.name, side))

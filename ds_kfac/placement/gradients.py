@@ -73,6 +73,10 @@ class GradientLayout:
         self.grad_scale = grad_scale
         self._split: Optional[list[bool]] = None
 
+    def has_gradients(self, blocks: Sequence[KFACBlock]) -> bool:
+        """Whether this rank holds a gradient for any of the blocks' parameters (no communication)."""
+        return any(self.fragment_of(p) is not None for b in blocks for p in b.adapter.params())
+
     def split_blocks(self, blocks: Sequence[KFACBlock]) -> list[bool]:
         """Per block, whether no single rank holds all of its gradient (agreed on by all ranks, computed once)."""
         if self._split is None:

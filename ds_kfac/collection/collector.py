@@ -1,0 +1,142 @@
+"""The module hooks that gather each layer's factors, step 1 of the flow.
+
+A forward hook computes the layer's ``A`` statistic of that call and hangs a
+hook on the output; only when the output's gradient arrives is the ``A``
+statistic counted, together with ``G``. So a forward pass whose output never
+gets a backward (a metric computed in training mode, a recomputation by
+non-reentrant activation checkpointing) contributes nothing, and ``A`` and
+``G`` always count the same calls.
+
+The collector also records what the step checks before preconditioning:
+whether any registered layer received a backward since the step began
+(:attr:`FactorCollector.backward_seen`), whether its hooks ever ran
+(:attr:`FactorCollector.ever_fired`, false for a model running a compiled
+graph built without them), and the forward calls of this step that got no
+backward (:meth:`FactorCollector.unanswered`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..curvature import KFACBlock
+from ..placement import Distributor
+from ..timing import PhaseTimer
+
+LossScale = Callable[[], Union[float, torch.Tensor]]
+
+compile_reason = (
+    "K-FAC's module hooks run eagerly (one graph break per registered layer), so torch.compile(fullgraph=True) "
+    "cannot compile a model with K-FAC attached: compile it with fullgraph=False, after attaching K-FAC"
+)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread: a forward call then is a
+    recomputation (activation checkpointing). ``torch._C._current_graph_task_id`` is what
+    ``torch.utils.checkpoint`` itself uses to tell (listed in docs/maintainers.md)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class FactorCollector:
+    """Module hooks on every block's layer: micro-batch factors in, complete step statistics out.
+
+    Args:
+        blocks: the curvature blocks whose layers get hooks.
+        distributor: says which layers this rank collects and takes each layer's finished statistics.
+        timer: accounts the hooks' time to the ``hooks`` phase.
+        accumulation_steps: micro-batches per optimizer step (the ``G`` scaling undoes the loss's division).
+        loss_scale: the loss scale of the micro-batch being back-propagated (1 when ``None``).
+        last_micro_batch: whether the micro-batch being back-propagated ends the optimizer step; with it,
+            each layer's statistics go to the distributor as soon as its last backward of the step ran.
+    """
+
+    def __init__(
+        self,
+        blocks: list[KFACBlock],
+        distributor: Distributor,
+        timer: PhaseTimer,
+        *,
+        accumulation_steps: int,
+        loss_scale: Optional[LossScale],
+        last_micro_batch: Optional[Callable[[], bool]],
+    ) -> None:
+        self.distributor = distributor
+        self.timer = timer
+        self.accumulation_steps = accumulation_steps
+        self.loss_scale = loss_scale
+        self.last_micro_batch = last_micro_batch
+        self.collecting = True
+        self.backward_seen = False
+        """Whether some registered layer's output received a gradient since :meth:`arm`."""
+        self.ever_fired = False
+        """Whether any hook ever ran since the collector was built."""
+        self._forwards: Counter[str] = Counter()  # this step's forward calls that can get a backward
+        self._backwards: Counter[str] = Counter()
+        hook = torch.compiler.disable(self._forward_hook, reason=compile_reason)
+        self._handles = [block.adapter.module.register_forward_hook(partial(hook, block)) for block in blocks]
+
+    def arm(self, collecting: bool) -> None:
+        """Start a step: gather factors during it or not."""
+        self.collecting = collecting
+        self.backward_seen = False
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget this step's call counts (its statistics are taken or dropped)."""
+        self._forwards.clear()
+        self._backwards.clear()
+
+    def unanswered(self) -> dict[str, int]:
+        """Per layer, this step's forward calls whose output got no backward (e.g. a metric computed
+        in training mode without ``torch.no_grad()``); their statistics were not counted."""
+        return {name: n - self._backwards[name] for name, n in self._forwards.items() if n > self._backwards[name]}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        self.ever_fired = True
+        if not (self.collecting and module.training and self.distributor.collects(block)):
+            if not self.backward_seen:
+                output.register_hook(self._mark_backward)
+            return
+        with self.timer.phase("hooks"):
+            x = inputs[0]
+            statistic = block.a.statistic(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
+            if not _in_backward():  # a recomputation stands in for a forward already counted
+                self._forwards[block.name] += 1
+            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x), statistic))
+
+    def _mark_backward(self, grad: torch.Tensor) -> None:
+        self.backward_seen = True
+
+    def _output_grad_hook(self, block: KFACBlock, batch_size: int, statistic: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.timer.phase("hooks"):
+            self.backward_seen = True
+            if self.distributor.handed_over(block):
+                raise RuntimeError(
+                    f"K-FAC layer {block.name!r} ran again after its factors for this step were final and sent "
+                    f"(at the last micro-batch's backward). If one optimizer step runs several forward/backward "
+                    f"passes, pass accumulation_steps (and boundary), or set overlap_factor_comm to false"
+                )
+            # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
+            scale = self.loss_scale() if self.loss_scale is not None else 1.0
+            block.a.add(statistic)
+            block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
+            self._backwards[block.name] += 1
+            # Complete once every counted forward call of the step has had its backward (a layer called
+            # several times per micro-batch waits for its last call; under reentrant checkpointing every
+            # forward runs inside the backward and none is counted).
+            done = self.last_micro_batch is not None and self._backwards[block.name] >= self._forwards[block.name]
+            if done and self.last_micro_batch():
+                self.distributor.statistics_ready(block)
