@@ -1,16 +1,21 @@
 """Configuration robustness (issue 14): strict JSON types and schedules (item 10), Python schedules checked at run
-time (item 5)."""
+time (item 5), near-miss top-level keys (item 9a)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
+import warnings
 from typing import Any, Callable
 
+import launch
 import pytest
 import torch
 from torch import nn
 
+import ds_kfac
 from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner, PiecewiseSchedule
 from ds_kfac.config.schema import SCHEDULED
 
@@ -284,3 +289,90 @@ def test_bad_python_schedule_stops_the_run_before_any_nan(case: str) -> None:
     _train(reference, done, [])
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+# Top-level DeepSpeed sections defined outside deepspeed.runtime.constants.
+DEEPSPEED_SECTIONS = [
+    "zero_optimization",
+    "tensorboard",
+    "csv_monitor",
+    "wandb",
+    "comet",
+    "activation_checkpointing",
+    "flops_profiler",
+    "aio",
+    "compression_training",
+    "autotuning",
+    "elasticity",
+    "comms_logger",
+    "data_efficiency",
+    "curriculum_learning",
+    "checkpoint",
+    "sparse_attention",
+    "nebula",
+    "hybrid_engine",
+    "weight_quantization",
+    "compile",
+    "timers",
+    "amp",
+]
+
+
+def test_near_miss_keys_are_named_and_deepspeed_keys_are_not() -> None:
+    """issue 14, item 9a: the keys taken for a misspelt "kfac", and none of DeepSpeed's own config keys; with a "kfac"
+    section, other keys are not second-guessed (its own errors are raised before DeepSpeed starts, as before)."""
+    import deepspeed.runtime.constants as ds_constants
+
+    from ds_kfac.integration.initialize import kfac_near_misses
+
+    near = ["kfca", "KFAC", "k-fac", "kfac_config", "K_FAC", "kfc", "Kfac "]
+    far = ["kfac", "train_batch_size", "zero_optimization", "fp16", "bf16", "bert", "fac_tor", "optimizer", 3]
+    assert kfac_near_misses(near + far) == near
+    deepspeed_keys = [v for k, v in vars(ds_constants).items() if k.isupper() and isinstance(v, str)]
+    assert len(deepspeed_keys) > 50 and "gradient_accumulation_steps" in deepspeed_keys
+    deepspeed_keys += DEEPSPEED_SECTIONS
+    assert kfac_near_misses(deepspeed_keys) == []
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "kfac": {"damping": -1}, "KFAC": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(KFACConfigError, match=r"kfac\.damping: must be a number > 0"):
+            ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+
+INITIALIZE = """
+import json, os, warnings
+import torch
+from torch import nn
+import ds_kfac
+
+torch.set_num_threads(1)
+model = nn.Linear(3, 2)
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "KFAC": {"damping": 0.01}, "kfca": {}, "zero_optimization": {"stage": 0}}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    engine, *_ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
+ours = [(str(w.message), w.filename) for w in caught if w.category is UserWarning and "'kfac'" in str(w.message)]
+print("RESULT " + json.dumps({"engine": type(engine).__name__, "kfac": hasattr(engine, "kfac"), "warnings": ours}))
+ds_kfac.release_deepspeed_shm()
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_initialize_warns_for_each_near_miss_and_runs_plain_deepspeed() -> None:
+    """issue 14, item 9a: a config with "KFAC" and "kfca" but no "kfac" gives a plain DeepSpeed engine (as before)
+    and one UserWarning per near-miss key, naming it and saying K-FAC is off, pointing at the caller's line.
+    One real single-process engine, in a subprocess so this process stays without torch.distributed."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(launch.free_port())
+    (out,) = launch.run([[sys.executable, "-c", INITIALIZE]], timeout=100, env=env)
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    assert result["engine"] == "DeepSpeedEngine" and not result["kfac"]
+    expected = [
+        f"config key {key!r} looks like a misspelt 'kfac' section; it is not read, and K-FAC is off "
+        f'(the section must be named exactly "kfac")'
+        for key in ("KFAC", "kfca")
+    ]
+    assert [message for message, _ in result["warnings"]] == expected
+    assert {filename for _, filename in result["warnings"]} == {"<string>"}
