@@ -218,7 +218,7 @@ class KFACPreconditioner:
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
                 self._stacks.prepare(mine_blocks)
         with self.timer.phase("precondition"):
-            damping = resolve(self.config.damping, s)
+            damping = self.config.at("damping", s)
             graft = self.config.grafting == "gradient"
             results = self._stacks.precondition(mine_blocks, [grads[i] for i in chosen], damping, graft)
             out: list[Optional[torch.Tensor]] = [None] * len(blocks)
@@ -241,7 +241,7 @@ class KFACPreconditioner:
                     all_reduce_sum_([vg], self.process_group)
                     vg = vg[0]
                 scale = layout.grad_scale()
-                nu = torch.sqrt(resolve(kl_clip, s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
+                nu = torch.sqrt(self.config.at("kl_clip", s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
                 self.last_nu = nu
                 out = [None if p is None else p.mul_(nu.to(p.dtype)) for p in out]
             layout.write(blocks, fragments, distributor.share_preconditioned(blocks, out, grads))
@@ -276,8 +276,8 @@ class KFACPreconditioner:
                 self._adopt(*self.distributor.share_sides(self._pending.blocks, *self._pending.job.result()))
             self._pending = None
         if self.collector.collecting:
-            self._update_factors(resolve(self.config.factor_decay, s))
-        damping = resolve(self.config.damping, s)
+            self._update_factors(self.config.at("factor_decay", s))
+        damping = self.config.at("damping", s)
         if self.refresh is not None:
             due = [key for key in self.refresh.due(s) if key[0] in self._seen]
             if due:
@@ -306,7 +306,7 @@ class KFACPreconditioner:
 
     def _run_in_background(self, started: int, install_at: int) -> None:
         seen = self._seen_blocks()
-        damping = resolve(self.config.damping, started)
+        damping = self.config.at("damping", started)
         job = Background(partial(self.distributor.compute_sides, seen, damping), blocks_device(self.blocks))
         self._pending = PendingDecompositions(started, install_at, seen, job)
 
@@ -315,10 +315,10 @@ class KFACPreconditioner:
         return [b for b in self.blocks if b.name in self._seen]
 
     def _is_factor_step(self, step: int) -> bool:
-        return step % resolve(self.config.factor_update_steps, step) == 0
+        return step % self.config.at("factor_update_steps", step) == 0
 
     def _is_decomposition_step(self, step: int) -> bool:
-        return step % resolve(self.config.inv_update_steps, step) == 0
+        return step % self.config.at("inv_update_steps", step) == 0
 
     def finish_step(self) -> None:
         """Advance the step counter and arm the hooks for the next step."""

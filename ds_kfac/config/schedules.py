@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar, Union
+from typing import Any, Callable, Generic, TypeVar, Union
+
+from .ranges import MILESTONE, NUMBER
 
 T = TypeVar("T", int, float)
 
@@ -26,21 +28,23 @@ ScheduleLike = Union[T, Callable[[int], T], "PiecewiseSchedule"]
 @dataclass(frozen=True)
 class PiecewiseSchedule(Generic[T]):
     """Piecewise-constant value of the step: ``values[i]`` for steps in
-    ``[milestones[i-1], milestones[i])`` (``milestones`` strictly increasing)."""
+    ``[milestones[i-1], milestones[i])`` (``milestones`` strictly increasing).
+
+    Built from lists or tuples (JSON gives lists); stored as tuples, milestones as ``int``. A malformed
+    schedule raises ``ValueError`` saying what is allowed, which the schema reports under the key."""
 
     milestones: tuple[int, ...]
     values: tuple[T, ...]
 
     def __post_init__(self) -> None:
-        if len(self.values) != len(self.milestones) + 1:
+        _check_milestones(self.milestones)
+        if not isinstance(self.values, (list, tuple)) or len(self.values) != len(self.milestones) + 1:
             raise ValueError(
-                f"a piecewise schedule needs len(values) == len(milestones) + 1, "
-                f"got {len(self.values)} values and {len(self.milestones)} milestones"
+                f"a piecewise schedule needs a list of len(values) == len(milestones) + 1 values, "
+                f"not values={self.values!r} with {len(self.milestones)} milestones"
             )
-        if any(b <= a for a, b in zip(self.milestones, self.milestones[1:])) or any(m < 0 for m in self.milestones):
-            raise ValueError(
-                f"schedule milestones must be non-negative and strictly increasing, got {list(self.milestones)}"
-            )
+        object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
+        object.__setattr__(self, "values", tuple(self.values))
 
     def __call__(self, step: int) -> T:
         return self.values[bisect.bisect_right(self.milestones, step)]
@@ -48,8 +52,19 @@ class PiecewiseSchedule(Generic[T]):
     @classmethod
     def step_decay(cls, initial: float, milestones: list[int], gamma: float) -> "PiecewiseSchedule[float]":
         """MultiStepLR-style decay: ``initial * gamma**k`` after the k-th milestone."""
-        values = tuple(initial * gamma**k for k in range(len(milestones) + 1))
-        return cls(tuple(milestones), values)
+        for name, x in (("initial", initial), ("gamma", gamma)):
+            if not NUMBER.contains(x):
+                raise ValueError(f"schedule '{name}' must be {NUMBER.allowed}, not {x!r}")
+        _check_milestones(milestones)
+        return cls(tuple(milestones), tuple(initial * gamma**k for k in range(len(milestones) + 1)))
+
+
+def _check_milestones(milestones: Any) -> None:
+    ok = isinstance(milestones, (list, tuple)) and all(MILESTONE.contains(m) for m in milestones)
+    if not ok or any(b <= a for a, b in zip(milestones, milestones[1:])):
+        raise ValueError(
+            f"schedule milestones must be a list of non-negative, strictly increasing integers, not {milestones!r}"
+        )
 
 
 def resolve(value: "ScheduleLike[T]", step: int) -> T:

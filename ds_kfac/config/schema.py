@@ -8,14 +8,14 @@ naming every bad key, its value and what is allowed.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from .schedules import PiecewiseSchedule
+from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, Range
+from .schedules import PiecewiseSchedule, resolve
 
 PLACEMENT_PRESETS = ("comm-opt", "hybrid-opt", "mem-opt")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,73 +25,98 @@ class KFACConfigError(ValueError):
     """A bad ``kfac`` configuration: the message names each key, value and what is allowed."""
 
 
-def _schedule(kind: type, low: float, high: float, low_open: bool, allowed: str, words: tuple[str, ...] = ()) -> Any:
-    """An annotated type for a hyperparameter that is a constant or a schedule.
+def _alternatives(rng: Range, words: tuple[str, ...], also: tuple[str, ...] = ()) -> str:
+    """What a key allows, in words: ``"a number > 0, 'x', or a schedule dict"``."""
+    options = [rng.allowed, *(repr(w) for w in words), *also]
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + ", or " + options[-1]
 
-    Constants and JSON schedules (dicts) are checked against the range; a
-    Python callable is accepted as is (it can only be checked when called).
+
+def _constant(v: Any, rng: Range, words: tuple[str, ...], also: tuple[str, ...] = ()) -> Any:
+    """``v`` if it is one of ``words``, else ``v`` as a number of ``rng`` (``ValueError`` saying what is allowed)."""
+    if isinstance(v, str) and v in words:
+        return v
+    if not rng.contains(v):
+        raise ValueError(f"must be {_alternatives(rng, words, also)}")
+    return rng.kind(v)
+
+
+def _number(rng: Range, words: tuple[str, ...] = ()) -> Any:
+    """An annotated type for a key that is a number of ``rng`` or one of ``words``."""
+    return Annotated[Any, BeforeValidator(lambda v: _constant(v, rng, words))]
+
+
+SCHEDULE_SHAPES = (
+    "a schedule is {'milestones': [...], 'values': [...]} or {'initial': x, 'milestones': [...], 'gamma': g}"
+)
+
+
+def _from_dict(v: dict, rng: Range) -> PiecewiseSchedule:
+    """A JSON schedule, its structure checked (the values are checked by the caller)."""
+    extra = set(v) - {"milestones", "values", "initial", "gamma"}
+    if extra or "milestones" not in v or ("values" in v) == ("initial" in v) or ("initial" in v) != ("gamma" in v):
+        raise ValueError(SCHEDULE_SHAPES)
+    if "values" in v:
+        return PiecewiseSchedule(v["milestones"], v["values"])
+    if rng.kind is int:
+        raise ValueError("an integer schedule takes explicit 'values', not 'initial'/'gamma' decay")
+    return PiecewiseSchedule.step_decay(v["initial"], v["milestones"], v["gamma"])
+
+
+def _schedule(key: str, words: tuple[str, ...] = ()) -> Any:
+    """An annotated type for a key that is a constant or a schedule, checked against ``SCHEDULED[key]``.
+
+    Constants, JSON schedules (dicts) and :class:`PiecewiseSchedule` values are checked now; a Python callable is
+    accepted as is and checked by :meth:`KFACConfig.at` each time it is called.
     """
-
-    def in_range(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-            return False
-        return (v > low if low_open else v >= low) and v < high
+    rng = SCHEDULED[key]
 
     def check(v: Any) -> Any:
-        if isinstance(v, dict):
-            extra = set(v) - {"milestones", "values", "initial", "gamma"}
-            if extra or "milestones" not in v or (("values" in v) == ("initial" in v)):
-                raise ValueError(
-                    "a schedule is {'milestones': [...], 'values': [...]} or "
-                    "{'initial': x, 'milestones': [...], 'gamma': g}"
-                )
-            if "values" in v:
-                sched = PiecewiseSchedule(tuple(v["milestones"]), tuple(v["values"]))
-            elif kind is int:
-                raise ValueError("an integer schedule takes explicit 'values', not 'initial'/'gamma' decay")
-            else:
-                sched = PiecewiseSchedule.step_decay(v["initial"], list(v["milestones"]), v["gamma"])
-            bad = [x for x in sched.values if not in_range(x)]
-            if bad:
-                raise ValueError(f"schedule values {bad} are out of range: each must be {allowed}")
-            return PiecewiseSchedule(sched.milestones, tuple(kind(x) for x in sched.values))
-        if isinstance(v, PiecewiseSchedule) or (callable(v) and not isinstance(v, type)) or v in words:
+        if callable(v) and not isinstance(v, (type, PiecewiseSchedule)):
             return v
-        if not in_range(v):
-            alternatives = "".join(f", {w!r}" for w in words)
-            raise ValueError(f"must be {allowed}{alternatives}, a schedule dict, or (in Python) a callable of the step")
-        return kind(v)
+        if not isinstance(v, (dict, PiecewiseSchedule)):
+            return _constant(v, rng, words, also=("a schedule dict", "(in Python) a callable of the step"))
+        schedule = _from_dict(v, rng) if isinstance(v, dict) else v
+        bad = [x for x in schedule.values if not rng.contains(x)]
+        if bad:
+            raise ValueError(f"schedule values {bad} are not allowed: each must be {rng.allowed}")
+        return PiecewiseSchedule(schedule.milestones, tuple(rng.kind(x) for x in schedule.values))
 
     return Annotated[Any, BeforeValidator(check)]
 
 
-IntSchedule = _schedule(int, 1, math.inf, low_open=False, allowed="an integer >= 1")
-RefreshSchedule = _schedule(int, 1, math.inf, low_open=False, allowed="an integer >= 1", words=("adaptive",))
-PositiveSchedule = _schedule(float, 0.0, math.inf, low_open=True, allowed="a number > 0")
-DecaySchedule = _schedule(float, 0.0, 1.0, low_open=False, allowed="a number in [0, 1)")
+SCHEDULED: dict[str, Range] = {
+    "factor_update_steps": POSITIVE_INTEGER,
+    "inv_update_steps": POSITIVE_INTEGER,
+    "damping": POSITIVE,
+    "factor_decay": DECAY,
+    "kl_clip": POSITIVE,
+}
+"""The keys that may be schedules, and the range of their values (constants, schedule values, callables' results)."""
 
 
 class KFACConfig(BaseModel):
     """Validated K-FAC settings. Defaults are listed in docs/config.md."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True)
+    # strict: booleans must be booleans, strings strings, lists lists (neither "yes" nor 1 is true). Numeric keys
+    # are checked by their Range (numbers, never bools or strings).
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=True, strict=True)
 
     enabled: bool = True
-    factor_update_steps: IntSchedule = 1
-    inv_update_steps: RefreshSchedule = 10
-    adaptive_threshold: float = 0.1
-    damping: PositiveSchedule = 0.001
+    factor_update_steps: _schedule("factor_update_steps") = 1
+    inv_update_steps: _schedule("inv_update_steps", words=("adaptive",)) = 10
+    adaptive_threshold: _number(POSITIVE) = 0.1
+    damping: _schedule("damping") = 0.001
     relative_damping: bool = False
     grafting: Literal["none", "gradient"] = "none"
-    factor_decay: DecaySchedule = 0.95
-    kl_clip: Optional[PositiveSchedule] = 0.001
+    factor_decay: _schedule("factor_decay") = 0.95
+    kl_clip: Optional[_schedule("kl_clip")] = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"
     eigenvalue_outer_product: bool = False
-    grad_worker_fraction: Union[Literal["comm-opt", "hybrid-opt", "mem-opt"], float] = "comm-opt"
+    grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"
     skip_layers: list[str] = []
-    max_factor_dim: int = 8192
+    max_factor_dim: _number(POSITIVE_INTEGER) = 8192
     conv_factors: Literal["expand", "reduce"] = "expand"
     factor_dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     inv_dtype: Literal["float32", "float64"] = "float32"
@@ -107,13 +132,6 @@ class KFACConfig(BaseModel):
                 "true needs a fixed inv_update_steps: adaptive refresh decides each factor's next "
                 "interval from its decomposition step, which async decompositions move"
             )
-        return v
-
-    @field_validator("grad_worker_fraction")
-    @classmethod
-    def _fraction_range(cls, v: Union[str, float]) -> Union[str, float]:
-        if isinstance(v, float) and not 0.0 < v <= 1.0:
-            raise ValueError(f"must be in (0, 1] or one of {PLACEMENT_PRESETS}")
         return v
 
     @field_validator("eigenvalue_outer_product")
@@ -135,19 +153,17 @@ class KFACConfig(BaseModel):
                 raise ValueError(f"{pattern!r} is not a valid regular expression ({err})") from None
         return v
 
-    @field_validator("adaptive_threshold")
-    @classmethod
-    def _positive_threshold(cls, v: float) -> float:
-        if not v > 0:
-            raise ValueError("must be a number > 0")
-        return v
+    def at(self, key: str, step: int) -> Union[int, float]:
+        """The value of the schedulable ``key`` at ``step``, checked against the same range as its constants.
 
-    @field_validator("max_factor_dim")
-    @classmethod
-    def _positive_dim(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be a positive integer")
-        return v
+        Constants and JSON schedules were checked when parsed; a Python callable is checked here, each time it is
+        called (host-side, a few comparisons), so a bad value stops the run before it reaches any tensor.
+        """
+        rng = SCHEDULED[key]
+        value = resolve(getattr(self, key), step)
+        if not rng.contains(value):
+            raise KFACConfigError(f"kfac.{key}: the schedule returned {value!r} at step {step}; must be {rng.allowed}")
+        return rng.kind(value)
 
     @property
     def factor_torch_dtype(self) -> torch.dtype:

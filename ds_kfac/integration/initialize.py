@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-from typing import Any, Callable, Optional, Union
+import difflib
+import re
+import warnings
+from typing import Any, Callable, Iterable, Optional, Union
 
 import deepspeed
 import torch
@@ -52,6 +55,31 @@ def _config_dict(args: Any, config: Union[str, dict, None], config_params: Union
     if config is None:
         raise ValueError("no DeepSpeed config: pass config= (a dict or a JSON path) or --deepspeed_config")
     return copy.deepcopy(config) if isinstance(config, dict) else load_ds_config(config)
+
+
+def kfac_near_misses(keys: Iterable[Any]) -> list[str]:
+    """The keys that look like a misspelt ``"kfac"``: equal to it ignoring case and ``-``/``_``/spaces
+    (``"KFAC"``, ``"k-fac"``), containing it (``"kfac_config"``), or a close ``difflib`` match (``"kfca"``).
+    The cutoff, 0.75, needs three of four letters in order; no DeepSpeed config key comes near it."""
+    misses = []
+    for key in keys:
+        if not isinstance(key, str) or key == "kfac":
+            continue
+        letters = re.sub(r"[^a-z0-9]", "", key.lower())
+        if "kfac" in letters or difflib.get_close_matches(letters, ["kfac"], n=1, cutoff=0.75):
+            misses.append(key)
+    return misses
+
+
+def _warn_near_misses(config: dict) -> None:
+    """A config without ``"kfac"`` runs plain DeepSpeed: say so for each key that was probably meant to be it."""
+    for key in kfac_near_misses(config):
+        warnings.warn(
+            f"config key {key!r} looks like a misspelt 'kfac' section; it is not read, and K-FAC is off "
+            f'(the section must be named exactly "kfac")',
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _optimizer_from_json(
@@ -131,6 +159,8 @@ def initialize(
     if model is None:
         raise ValueError("ds_kfac.initialize requires a model")
     config = _config_dict(args, config, config_params)
+    if "kfac" not in config:
+        _warn_near_misses(config)
     kfac_config = KFACConfig.parse(config.pop("kfac", None))
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = copy.copy(args)
