@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collection import FactorCollector, LossScale
-from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_world
+from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_rank, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
 from .layers import SkippedLayer, find_layers
@@ -141,7 +141,11 @@ class KFACPreconditioner:
         self.bucket_bytes = bucket_bytes
 
         layers, self.skipped_layers = find_layers(
-            model, self.config.skip_layers, self.config.max_factor_dim, conv_factors=self.config.conv_factors
+            model,
+            self.config.skip_layers,
+            self.config.max_factor_dim,
+            conv_factors=self.config.conv_factors,
+            warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
         )
         method = method_for(self.config)
         self.blocks = [

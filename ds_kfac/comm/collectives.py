@@ -30,6 +30,13 @@ def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:
     return dist.get_world_size(group)
 
 
+def data_parallel_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """This process's rank in ``group`` (the default group if ``None``); 0 when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
 def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Indices of ``tensors`` grouped by dtype and device, each group at most
     ``bucket_bytes`` (a single larger tensor gets a bucket of its own)."""

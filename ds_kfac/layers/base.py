@@ -26,12 +26,15 @@ class LayerAdapter(ABC):
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.has_bias = getattr(module, "bias", None) is not None
+        bias = getattr(module, "bias", None)
+        self.has_bias = bias is not None and bias.requires_grad
+        """Whether the bias is preconditioned, decided at registration. A frozen bias is absent to K-FAC (no
+        column in ``A``, nothing in the gradient matrix): the weight's curvature block is the same without it."""
 
     @property
     @abstractmethod
     def a_dim(self) -> int:
-        """Size of the activation factor ``A`` (input features, +1 with bias)."""
+        """Size of the activation factor ``A`` (input features, +1 with a trainable bias)."""
 
     @property
     @abstractmethod
@@ -51,7 +54,7 @@ class LayerAdapter(ABC):
         """Rows ``g_r`` (``n x g_dim``) of one output gradient, in the order of :meth:`input_rows`."""
 
     def params(self) -> list[nn.Parameter]:
-        """The parameters whose gradient this layer preconditions: weight, then bias."""
+        """The parameters whose gradient this layer preconditions: weight, then bias (unless frozen)."""
         return [self.module.weight] + ([self.module.bias] if self.has_bias else [])
 
     def grad_to_matrix(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:

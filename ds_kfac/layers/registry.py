@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
@@ -35,6 +37,12 @@ def adapter_for(module: nn.Module) -> type[LayerAdapter] | None:
     return None
 
 
+FROZEN_WEIGHT = (
+    "frozen weight with a trainable bias (K-FAC preconditions a layer's weight; the bias trains with the base "
+    "optimizer alone)"
+)
+
+
 @dataclass(frozen=True)
 class SkippedLayer:
     name: str
@@ -46,20 +54,29 @@ def find_layers(
     skip_layers: Iterable[str] = (),
     max_factor_dim: int = 8192,
     conv_factors: Literal["expand", "reduce"] = "expand",
+    warn: bool = True,
 ) -> tuple[list[tuple[str, LayerAdapter]], list[SkippedLayer]]:
     """Adapters for the model's supported modules, in ``named_modules`` order,
     and the supported modules that were skipped, with why. Conv2d adapters get
     ``conv_factors`` (K-FAC-expand or K-FAC-reduce rows).
 
     A module is skipped when its name matches one of ``skip_layers`` (``re.search``),
-    when a factor would be larger than ``max_factor_dim`` (vocabulary-sized
-    embeddings and heads), or when none of its parameters require grad.
-    Unsupported variants of a supported type (e.g. grouped Conv2d) raise
-    :class:`~ds_kfac.layers.base.UnsupportedLayerError` naming the module, unless skipped by name.
+    when its weight is frozen (a frozen bias alone is left out of the layer's
+    factors instead), when a factor would be larger than ``max_factor_dim``
+    (vocabulary-sized embeddings and heads), or when another module holds one of
+    its parameters (tied weights: the gradient sums every use, which this layer's
+    factors do not describe). Unsupported variants of a supported type (e.g.
+    grouped Conv2d) raise :class:`~ds_kfac.layers.base.UnsupportedLayerError`
+    naming the module, unless skipped by name.
+
+    Skips are logged at INFO. With ``warn``, a ``UserWarning`` names the layers
+    skipped for tied parameters, and another says so when no layer is registered.
     """
     patterns = [re.compile(p) for p in skip_layers]
+    owners = _owners(model)
     layers: list[tuple[str, LayerAdapter]] = []
     skipped: list[SkippedLayer] = []
+    tied: list[SkippedLayer] = []
     for name, module in model.named_modules():
         adapter_cls = adapter_for(module)
         if adapter_cls is None:
@@ -73,12 +90,72 @@ def find_layers(
             adapter = adapter_cls(module, conv_factors=conv_factors) if is_conv else adapter_cls(module)
         except ValueError as err:
             raise type(err)(f"layer {name!r}: {err}; add it to skip_layers to train it without K-FAC") from None
-        if not any(p.requires_grad for p in adapter.params()):
-            skipped.append(SkippedLayer(name, "frozen (no parameter requires grad)"))
+        if not adapter.params()[0].requires_grad:
+            skipped.append(
+                SkippedLayer(name, FROZEN_WEIGHT if adapter.has_bias else "frozen (no parameter requires grad)")
+            )
         elif max(adapter.a_dim, adapter.g_dim) > max_factor_dim:
             skipped.append(SkippedLayer(name, f"{adapter.describe()} exceeds max_factor_dim={max_factor_dim}"))
+        elif shared := _shared(name, module, adapter.params(), owners):
+            tied.append(SkippedLayer(name, f"tied: {shared}"))
+            skipped.append(tied[-1])
         else:
             layers.append((name, adapter))
     for s in skipped:
         logger.info("K-FAC skips %s: %s", s.name, s.reason)
+    if warn:
+        _warn(layers, skipped, tied)
     return layers, skipped
+
+
+Owners = dict[nn.Parameter, list[tuple[nn.Module, str, str]]]
+
+
+def _owners(model: nn.Module) -> Owners:
+    """Every module holding each parameter, with the module's name and the parameter's qualified name
+    (a module registered under several names counts once: sharing a whole module is not tying)."""
+    owners: Owners = defaultdict(list)
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            owners[param].append((module, module_name, f"{module_name}.{param_name}".lstrip(".")))
+    return owners
+
+
+def _shared(name: str, module: nn.Module, params: Iterable[nn.Parameter], owners: Owners) -> str:
+    """Which of layer ``name``'s ``params`` other modules also hold, and where ('' if none)."""
+    parts = []
+    for param in params:
+        own = next((qualified for m, _, qualified in owners[param] if m is module), name)
+        others = [f"{other!r} (as {qualified!r})" for m, other, qualified in owners[param] if m is not module]
+        if others:
+            parts.append(f"parameter {own!r} is shared with module {', '.join(others)}")
+    return "; ".join(parts)
+
+
+def _warn(layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], tied: list[SkippedLayer]) -> None:
+    """The skips a user must hear about (stack level: the caller of ``KFACPreconditioner``)."""
+    if tied:
+        warnings.warn(
+            "K-FAC skips layers whose parameters other modules share (tied weights: their gradient sums every use, "
+            "which one layer's factors do not describe); the base optimizer trains them without K-FAC: "
+            + "; ".join(f"{s.name!r} ({s.reason})" for s in tied),
+            UserWarning,
+            stacklevel=4,
+        )
+    if layers:
+        return
+    if skipped:
+        why = "; ".join(f"{s.name!r}: {s.reason}" for s in skipped)
+        message = f"every supported layer was skipped ({why})"
+    else:
+        types = ", ".join(t.__name__ for t in _ADAPTERS)
+        message = (
+            f"the model has no module of a supported type ({types} or a subclass); teach K-FAC another module type "
+            f"with ds_kfac.register_adapter(module_type, adapter)"
+        )
+    warnings.warn(
+        f"K-FAC registered no layer, so it preconditions nothing and the model trains with the base optimizer "
+        f"alone: {message}",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -30,7 +30,10 @@ from ..curvature import KFACBlock, blocks_device
 
 @dataclass
 class Fragment:
-    """Elements ``[start, start + numel)`` of ``param.view(-1)``'s reduced gradient, held here as ``grad``."""
+    """Elements ``[start, start + numel)`` of a parameter's reduced gradient in row-major order, held here as
+    ``grad``: a flat slice (a ZeRO partition) or the whole gradient in the parameter's shape, in whatever
+    memory layout it has (e.g. ``channels_last``). Read and written through :meth:`flat` and :meth:`store`,
+    which never assume a contiguous layout."""
 
     start: int
     numel: int
@@ -39,15 +42,23 @@ class Fragment:
     def covers(self, param: nn.Parameter) -> bool:
         return self.start == 0 and self.numel == param.numel()
 
+    def flat(self) -> torch.Tensor:
+        """The held elements in row-major order (a copy when the layout is not row-major)."""
+        return self.grad.reshape(-1)
+
+    def store(self, values: torch.Tensor) -> None:
+        """Write ``numel`` row-major values into ``grad`` itself (the storage the optimizer reads), in its dtype."""
+        self.grad.copy_(values.reshape(self.grad.shape))
+
 
 FragmentOf = Callable[[nn.Parameter], Optional[Fragment]]
 
 
 def whole_grad(param: nn.Parameter) -> Optional[Fragment]:
-    """The replicated case: all of ``param.grad`` (``None`` if the parameter got no gradient)."""
+    """The replicated case: all of ``param.grad``, as it lies (``None`` if the parameter got no gradient)."""
     if param.grad is None:
         return None
-    return Fragment(0, param.numel(), param.grad.view(-1))
+    return Fragment(0, param.numel(), param.grad)
 
 
 class GradientLayout:
@@ -110,7 +121,7 @@ class GradientLayout:
             else:
                 if not self._whole_here(block, block_frags):
                     continue
-                grads = [f.grad.view_as(p) for f, p in zip(block_frags, block.adapter.params())]
+                grads = [f.grad.reshape(p.shape) for f, p in zip(block_frags, block.adapter.params())]
             chosen.append(block)
             matrices.append(block.adapter.grad_to_matrix(grads))
             fragments.append(block_frags)
@@ -128,7 +139,7 @@ class GradientLayout:
         for block_bufs, block_frags in zip(buffers, frags):
             for buf, f in zip(block_bufs, block_frags):
                 if f is not None:
-                    buf[f.start : f.start + f.numel] = f.grad
+                    buf[f.start : f.start + f.numel] = f.flat()
         all_reduce_sum_([buf for block_bufs in buffers for buf in block_bufs], self.group)
         return {
             b.name: [buf.view_as(p) for buf, p in zip(block_bufs, b.adapter.params())]
@@ -166,4 +177,4 @@ class GradientLayout:
         for block, block_frags, m in zip(blocks, fragments, matrices):
             for new, f in zip(block.adapter.matrix_to_grads(m), block_frags):
                 if f is not None:
-                    f.grad.copy_(new.reshape(-1)[f.start : f.start + f.numel].to(f.grad.dtype))
+                    f.store(new.reshape(-1)[f.start : f.start + f.numel])

@@ -6,7 +6,8 @@ Scenario keys: ``ds`` (DeepSpeed config overrides), ``kfac`` (the section),
 ``steps``, ``micro``, ``ga``, ``loss_scale`` (injected into ZeRO's static
 scaler), ``nan_step`` (a NaN loss in that step), ``skip_steps`` (data steps
 left out), ``save`` / ``load`` (checkpoint dir, step to save after),
-``expect_error`` (record the exception's message instead of failing).
+``expect_error`` (record the exception's message instead of failing), ``freeze`` (names of parameters
+set to ``requires_grad=False`` before ``initialize``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def run(scenario: dict) -> dict:
 def train(scenario: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = problem.make_model()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in scenario.get("freeze", ()))
     cfg = config(scenario, world)
     engine, *_ = ds_kfac.initialize(model=model, model_parameters=problem.param_groups(model), config=cfg)
     if "loss_scale" in scenario:
