@@ -9,6 +9,8 @@ from .collectives import (
     buckets,
     data_parallel_world,
     pack_symmetric,
+    receive,
+    send_,
     unpack_symmetric,
 )
 from .groups import RankGroups
@@ -24,5 +26,7 @@ __all__ = [
     "buckets",
     "data_parallel_world",
     "pack_symmetric",
+    "receive",
+    "send_",
     "unpack_symmetric",
 ]
