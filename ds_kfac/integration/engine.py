@@ -177,8 +177,9 @@ def _read_state(checkpoint: str) -> dict[str, Any]:
     path = os.path.join(checkpoint, STATE_FILE)
     if not os.path.isfile(path):
         raise ValueError(
-            f"checkpoint {checkpoint} has no K-FAC state (no {STATE_FILE}: saved without ds_kfac, or with K-FAC "
-            f"disabled); pass load_optimizer_states=False to start K-FAC fresh from its weights"
+            f"checkpoint {checkpoint} has no K-FAC state (no {STATE_FILE}: saved without ds_kfac, with K-FAC "
+            f"disabled, or by a ds_kfac that kept it in DeepSpeed's client_state); pass load_optimizer_states=False "
+            f"to start K-FAC fresh from its weights"
         )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
