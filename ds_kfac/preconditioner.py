@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import METHOD_KEYS, STATE_VERSION, CheckedState, LayerLayout, StateLayout, check_state
 from .collection import FactorCollector, LossScale
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_rank, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
@@ -62,16 +63,8 @@ class PendingDecompositions:
     job: Background
 
 
-STATE_VERSION = 1
-
-
 def _every_backward_ends_a_step() -> bool:
     return True
-
-
-METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping", "conv_factors")
-"""Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
-they match."""
 
 
 class KFACPreconditioner:
@@ -489,10 +482,14 @@ class KFACPreconditioner:
         self.collector.remove()
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        """All K-FAC state, world-size and placement independent: whole factors and
-        decompositions per layer, gathered from the ranks that hold them. Collective:
-        call it on every rank (as ``engine.save_checkpoint`` is)."""
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """All K-FAC state, world-size and placement independent (whole factors and decompositions
+        per layer, CPU tensors), on rank 0 of the process group, the rank that saves; ``None`` on the
+        other ranks, which receive nothing. Each piece is sent once, by one rank holding it.
+        Collective: call it on every rank (as ``engine.save_checkpoint`` does)."""
+        layers = self.distributor.gather_state(self._local_state())
+        if layers is None:
+            return None
         p = self._pending
         return {
             "version": STATE_VERSION,
@@ -504,73 +501,57 @@ class KFACPreconditioner:
             "pending_decompositions": None if p is None else {"started": p.started, "install_at": p.install_at},
             "layers": {
                 name: {"shape": (self._by_name[name].adapter.a_dim, self._by_name[name].adapter.g_dim), **entry}
-                for name, entry in self.distributor.gather_state(self._local_state()).items()
+                for name, entry in layers.items()
             },
         }
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
-        state = {
-            # Cloned: a state is a view into its shape's stack, which would be saved whole.
-            b.name: {"A": b.a.value, "G": b.g.value, "state": None if b.state is None else [t.clone() for t in b.state]}
-            for b in self.blocks
-        }
+        """This rank's view of every layer's state: references to what it holds, ``None`` elsewhere."""
+        state = {b.name: {"A": b.a.value, "G": b.g.value, "state": b.state} for b in self.blocks}
         if self.refresh is not None:
             for (name, side), f in self.refresh.factors.items():
                 state[name][f"{side}_refs"] = [f.last, f.before_last]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a mismatch (other model, layers, method) raises naming what differs."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"K-FAC state has version {state.get('version')!r}, expected {STATE_VERSION}")
-        for key in METHOD_KEYS:
-            # A checkpoint from before a key existed was saved with its default.
-            then, now = state.get(key, KFACConfig.model_fields[key].default), getattr(self.config, key)
-            if then != now:
-                raise ValueError(f"K-FAC state was saved with {key}={then!r}, this run uses {now!r}")
-        saved, here = set(state["layers"]), set(self.layer_names)
-        if saved != here:
-            raise ValueError(
-                f"K-FAC state does not match this model's layers: missing from the checkpoint {sorted(here - saved)}, "
-                f"not in this model {sorted(saved - here)}"
-            )
+    def check_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> CheckedState:
+        """Check a :meth:`state_dict` against this preconditioner, changing nothing: one ``ValueError``
+        names every problem (see :mod:`ds_kfac.checkpoint`). :meth:`load_state_dict` takes the result."""
+        return check_state(state, self._state_layout())
+
+    def _state_layout(self) -> StateLayout:
+        """What a state must hold to load here."""
+        method, layers = self.distributor.method, {}
         for b in self.blocks:
-            entry = state["layers"][b.name]
-            if tuple(entry["shape"]) != (b.adapter.a_dim, b.adapter.g_dim):
-                raise ValueError(
-                    f"K-FAC layer {b.name!r}: checkpoint factors are (A, G) = {tuple(entry['shape'])}, "
-                    f"this model has {(b.adapter.a_dim, b.adapter.g_dim)}"
-                )
-            a_shapes, g_shapes = b.method.side_shapes(b.adapter.a_dim, b.adapter.g_dim)
-            saved_shapes = None if entry["state"] is None else [tuple(t.shape) for t in entry["state"]]
-            if saved_shapes is not None and saved_shapes != a_shapes + g_shapes:
-                raise ValueError(
-                    f"K-FAC layer {b.name!r}: checkpoint decomposition has tensors of shapes {saved_shapes}, "
-                    f"{b.method.name!r} holds {a_shapes + g_shapes} (saved by another ds_kfac version?)"
-                )
-        if (self.refresh is None) != (state.get("refresh") is None):
-            raise ValueError(
-                f"K-FAC state was saved with inv_update_steps {'adaptive' if state.get('refresh') else 'fixed'}, "
-                f"this run uses {self.config.inv_update_steps!r}"
-            )
+            a_side, g_side = method.side_shapes(b.adapter.a_dim, b.adapter.g_dim)
+            layers[b.name] = LayerLayout(b.adapter.a_dim, b.adapter.g_dim, a_side + g_side)
+        return StateLayout(
+            method_keys={key: getattr(self.config, key) for key in METHOD_KEYS},
+            method=method.name,
+            layers=layers,
+            adaptive=self.refresh is not None,
+        )
+
+    def load_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> None:
+        """Restore :meth:`state_dict`. The whole state is checked first (:meth:`check_state_dict`, not
+        again for a state already checked here), and nothing changes unless all of it is valid."""
+        state = self.check_state_dict(state).state
+        factor_dtype, inv_dtype = self.config.factor_torch_dtype, self.config.inv_torch_dtype
         for b in self.blocks:
             entry = state["layers"][b.name]
             device = b.adapter.module.weight.device
-            a, g = (None if t is None else t.to(device) for t in (entry["A"], entry["G"]))
+            a, g = (None if t is None else t.to(device, factor_dtype) for t in (entry["A"], entry["G"]))
             b.a.value = a if self.distributor.keeps(b, "A") else None
             b.g.value = g if self.distributor.keeps(b, "G") else None
             worker = self.distributor.is_grad_worker(b) and entry["state"] is not None
-            b.state = tuple(t.to(device) for t in entry["state"]) if worker else None
+            b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if worker else None
         self.distributor.discard_statistics()
         self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
         if self.refresh is not None:
             self.refresh.load_state_dict(state["refresh"])
             device = blocks_device(self.blocks)
             for (name, side), f in self.refresh.factors.items():
-                refs = state["layers"][name].get(f"{side}_refs") if self.distributor.holds(name, side) else None
-                f.last, f.before_last = (
-                    (None, None) if refs is None else (None if t is None else t.to(device) for t in refs)
-                )
+                refs = state["layers"][name][f"{side}_refs"] if self.distributor.holds(name, side) else (None, None)
+                f.last, f.before_last = (None if t is None else t.to(device, factor_dtype) for t in refs)
         self.steps = state["steps"]
         self.counters = defaultdict(int, state["counters"])
         pending = state.get("pending_decompositions")

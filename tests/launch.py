@@ -81,18 +81,23 @@ def _results(out_dir: Path, n_scenarios: int, world: int) -> list[list[dict[str,
     ]
 
 
-def _spec(out_dir: Path, scenarios: list[dict[str, Any]]) -> list[str]:
+def _spec(out_dir: Path, scenarios: list[dict[str, Any]], worker: Path = WORKERS / "ds_worker.py") -> list[str]:
     spec = out_dir / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
-    return [str(WORKERS / "ds_worker.py"), "--spec", str(spec), "--out", str(out_dir)]
+    return [str(worker), "--spec", str(spec), "--out", str(out_dir)]
 
 
 def deepspeed_run(
-    world: int, out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 240
+    world: int,
+    out_dir: Path,
+    scenarios: list[dict[str, Any]],
+    timeout: float = 240,
+    worker: Path = WORKERS / "ds_worker.py",
 ) -> list[list[dict[str, Any]]]:
-    """Run ``workers/ds_worker.py`` with ``deepspeed --num_gpus world``; return each scenario's per-rank results."""
+    """Run ``worker`` (``--spec``, ``--out``; by default ``workers/ds_worker.py``) with ``deepspeed --num_gpus
+    world``; return each scenario's per-rank results (``<out>/<scenario>_rank<r>.pt``)."""
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port())]
-    run([cmd + _spec(out_dir, scenarios)], timeout)
+    run([cmd + _spec(out_dir, scenarios, worker)], timeout)
     return _results(out_dir, len(scenarios), world)
 
 

@@ -228,7 +228,7 @@ def test_every_mode_matches_single_process_and_ranks_agree_every_step(world_runs
         if name.startswith("uniform") or "local" in name:
             continue
         if "adaptive" in name:
-            schedules = [r["kfac"]["refresh"] for r in results]
+            schedules = [r["refresh"] for r in results]
             assert all(s == schedules[0] for s in schedules), "adaptive intervals differ across ranks"
         scenario = scenarios(world)[name]
         expected, _ = reference(world, model=scenario.get("model", "mlp"), **scenario["kfac"])
@@ -359,19 +359,17 @@ def test_bytes_on_the_wire_match_the_formula(world_runs) -> None:
             assert got == expected_bytes(world, scenario, results, step), (name, step)
 
 
-def test_state_dict_is_whole_and_the_same_on_every_rank(world_runs) -> None:
-    """Saved state does not depend on where pieces lived: every rank gathers every layer,
-    identical across ranks and equal to the single-process factors."""
+def test_state_dict_is_whole_on_the_saving_rank(world_runs) -> None:
+    """Saved state does not depend on where pieces lived: rank 0 gathers every layer, equal to the
+    single-process factors; the other ranks get nothing."""
     world, runs = world_runs
     name = f"fraction{1 / world:g}-reduce"
     _, kfac = reference(world, **scenarios(world)[name]["kfac"])
     results = runs[name]
+    assert set(results[0]["kfac"]["layers"]) == {b.name for b in kfac.blocks}
     for layer, entry in results[0]["kfac"]["layers"].items():
         block = next(b for b in kfac.blocks if b.name == layer)
         torch.testing.assert_close(entry["A"], block.a.value, **FP32_TOL)
         torch.testing.assert_close(entry["G"], block.g.value, **FP32_TOL)
-        for r in results[1:]:
-            other = r["kfac"]["layers"][layer]
-            assert torch.equal(entry["A"], other["A"]) and all(
-                torch.equal(x, y) for x, y in zip(entry["state"], other["state"])
-            )
+        assert len(entry["state"]) == len(block.state)
+    assert all(r["kfac"] is None for r in results[1:])

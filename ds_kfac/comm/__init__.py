@@ -10,6 +10,8 @@ from .collectives import (
     data_parallel_rank,
     data_parallel_world,
     pack_symmetric,
+    receive,
+    send_,
     unpack_symmetric,
 )
 from .groups import RankGroups
@@ -26,5 +28,7 @@ __all__ = [
     "data_parallel_rank",
     "data_parallel_world",
     "pack_symmetric",
+    "receive",
+    "send_",
     "unpack_symmetric",
 ]

@@ -6,6 +6,8 @@ handful of collectives instead of one per tensor. All collectives of a call
 are launched asynchronously and waited on together. Every K-FAC collective
 goes through this module, and :data:`STATS` counts its payload bytes, so the
 documented per-step volume of each mode can be checked (``tests/``).
+Checkpoints move state point to point (:func:`send_`, :func:`receive`), tensor
+by tensor, each to the one rank that saves.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 STATS: Counter[str] = Counter()
 """Payload bytes per collective kind on this process (``"all_reduce"``, ``"reduce"``; ``"broadcast"``
-counts what this rank sends as source), and call counts (``"<kind>_calls"``)."""
+counts what this rank sends as source, ``"send"`` what it sends point to point), and call counts
+(``"<kind>_calls"``)."""
 
 
 def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -119,6 +122,52 @@ def broadcast_(
         work.wait()
         if src != me:
             _unpack(flat, tensors, idx)
+
+
+def send_(
+    tensors: Sequence[Optional[torch.Tensor]],
+    dst: int,
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> None:
+    """Send ``tensors`` (on ``device``; ``None`` where absent) to global rank ``dst``, where :func:`receive`
+    takes them: first which are present (one byte each), then each present tensor, not copied."""
+    if not tensors:
+        return
+    present = [t.contiguous() for t in tensors if t is not None]
+    flags = torch.tensor([t is not None for t in tensors], dtype=torch.uint8, device=device)
+    works = [dist.isend(t, dst=dst, group=group) for t in [flags, *present]]
+    STATS["send"] += flags.numel() + sum(t.numel() * t.element_size() for t in present)
+    STATS["send_calls"] += len(works)
+    for work in works:
+        work.wait()
+
+
+def receive(
+    specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    srcs: Sequence[int],
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> list[Optional[torch.Tensor]]:
+    """The other end of :func:`send_`: tensor ``i``, of shape and dtype ``specs[i]``, from global rank
+    ``srcs[i]`` (each source's tensors in the order it sent them); ``None`` where it sent none."""
+    by_src: dict[int, list[int]] = {}
+    for i, src in enumerate(srcs):
+        by_src.setdefault(src, []).append(i)
+    flags = {src: torch.empty(len(idx), dtype=torch.uint8, device=device) for src, idx in by_src.items()}
+    for work in [dist.irecv(f, src=src, group=group) for src, f in flags.items()]:
+        work.wait()
+    out: list[Optional[torch.Tensor]] = [None] * len(specs)
+    works = []
+    for src, idx in by_src.items():
+        for i, present in zip(idx, flags[src].tolist()):
+            if present:
+                shape, dtype = specs[i]
+                out[i] = torch.empty(shape, dtype=dtype, device=device)
+                works.append(dist.irecv(out[i], src=src, group=group))
+    for work in works:
+        work.wait()
+    return out
 
 
 def pack_symmetric(matrix: torch.Tensor) -> torch.Tensor:

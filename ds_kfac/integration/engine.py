@@ -14,11 +14,16 @@ patched. The user's loop stays ``engine.backward(loss); engine.step()``:
   a layer's workers are the KAISA columns of the ranks owning its partition,
   and ZeRO's parameter all-gather delivers the result;
 * if DeepSpeed then skips the step (fp16/bf16 overflow), the step's K-FAC
-  statistics are discarded and its curvature updates undone.
+  statistics are discarded and its curvature updates undone;
+* a checkpoint keeps K-FAC's state in a file of its own, written by
+  data-parallel rank 0 alone and, on load, checked on every rank before
+  DeepSpeed loads anything.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 from typing import Any, Optional
 
 import torch
@@ -30,7 +35,8 @@ from ..config import KFACConfig
 from ..placement import Fragment, GradientLayout, workers_per_layer
 from ..preconditioner import KFACPreconditioner
 
-CHECKPOINT_KEY = "ds_kfac"
+STATE_FILE = "kfac_state.pt"
+"""K-FAC's state in a checkpoint: ``<save_dir>/<tag>/kfac_state.pt``, beside DeepSpeed's files."""
 
 
 def _zero_fragment(param: torch.nn.Parameter) -> Optional[Fragment]:
@@ -123,27 +129,61 @@ class KFACEngine(DeepSpeedEngine):
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None, **kwargs: Any
     ) -> Any:
-        """``DeepSpeedEngine.save_checkpoint`` with K-FAC's state stored beside the model's."""
-        state = dict(client_state or {})
-        state[CHECKPOINT_KEY] = self.kfac.state_dict()
-        return super().save_checkpoint(save_dir, tag, client_state=state, **kwargs)
+        """``DeepSpeedEngine.save_checkpoint``, with K-FAC's state in ``<save_dir>/<tag>/kfac_state.pt``.
+
+        The state is gathered to data-parallel rank 0 only, which writes it before DeepSpeed
+        writes anything (so before the ``latest`` file names the new tag)."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)  # DeepSpeed's default tag
+        state = self.kfac.state_dict()
+        if state is not None:
+            path = os.path.join(save_dir, tag, STATE_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a reader sees the whole file or none
+        return super().save_checkpoint(save_dir, tag, client_state=client_state or {}, **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Optional[str], Optional[dict]]:
         """``DeepSpeedEngine.load_checkpoint`` restoring K-FAC's state too.
 
-        As with the optimizer, ``load_optimizer_states=False`` or
-        ``load_module_only=True`` start K-FAC fresh (e.g. BERT phase 2 from phase 1).
+        K-FAC's state is read and checked on every rank before DeepSpeed loads anything: a state
+        that cannot be loaded (another model or method, malformed, not finite) raises a
+        ``ValueError`` and leaves the engine (weights, optimizer, counters, K-FAC) as it was.
+        As with the optimizer, ``load_optimizer_states=False`` or ``load_module_only=True`` start
+        K-FAC fresh (e.g. BERT phase 2 from phase 1).
         """
-        path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
-        if path is None:
-            return path, client_state
-        state = client_state.pop(CHECKPOINT_KEY, None)
         if kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True):
-            return path, client_state
-        if state is None:
-            raise ValueError(
-                f"checkpoint {path} has no K-FAC state (saved without ds_kfac, or with K-FAC disabled); "
-                f"pass load_optimizer_states=False to start K-FAC fresh from its weights"
-            )
-        self.kfac.load_state_dict(state)
+            return super().load_checkpoint(load_dir, tag, **kwargs)
+        tag = self._tag_to_load(load_dir, tag)
+        if tag is None:  # no checkpoint named: DeepSpeed warns and loads nothing
+            return super().load_checkpoint(load_dir, tag, **kwargs)
+        checked = self.kfac.check_state_dict(_read_state(os.path.join(load_dir, tag)))
+        path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
+        if path is not None:
+            self.kfac.load_state_dict(checked)
         return path, client_state
+
+    def _tag_to_load(self, load_dir: str, tag: Any) -> Optional[str]:
+        """The tag ``DeepSpeedEngine.load_checkpoint`` loads: ``tag``, else the one its ``latest`` file
+        names (``latest_universal`` for universal checkpoints); ``None`` without that file."""
+        if tag is not None:
+            return str(tag)
+        latest = os.path.join(load_dir, "latest_universal" if self.load_universal_checkpoint() else "latest")
+        if not os.path.isfile(latest):
+            return None
+        with open(latest) as f:
+            return f.read().strip()
+
+
+def _read_state(checkpoint: str) -> dict[str, Any]:
+    """K-FAC's state from a checkpoint's tag directory, as saved (CPU tensors, plain containers only)."""
+    path = os.path.join(checkpoint, STATE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"checkpoint {checkpoint} has no K-FAC state (no {STATE_FILE}: saved without ds_kfac, with K-FAC "
+            f"disabled, or by a ds_kfac that kept it in DeepSpeed's client_state); pass load_optimizer_states=False "
+            f"to start K-FAC fresh from its weights"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"{path} is not a readable K-FAC state: {err}") from err

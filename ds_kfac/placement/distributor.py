@@ -14,7 +14,8 @@ who write their own partitions: no preconditioned gradient moves.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from ..comm import (
     broadcast_,
     data_parallel_world,
     pack_symmetric,
+    receive,
+    send_,
     unpack_symmetric,
 )
 from ..config import KFACConfig
@@ -35,6 +38,9 @@ from ..curvature.factors import finite_flags
 from .plan import LayerShape, PlacementPlan
 
 Key = tuple[str, str]  # (layer name, "A" or "G")
+
+SAVER = 0
+"""The data-parallel rank that :meth:`Distributor.gather_state` gathers to: DeepSpeed saves from data-parallel rank 0."""
 
 
 class Distributor:
@@ -87,9 +93,13 @@ class Distributor:
 
     def keeps(self, block: KFACBlock, side: str) -> bool:
         """Whether this rank holds the running factor ``side`` of the layer."""
+        return self.rank in self._keepers(block.name, side)
+
+    def _keepers(self, name: str, side: str) -> tuple[int, ...]:
+        """The ranks holding the running factor ``side`` of layer ``name``."""
         if self.config.factor_reduction == "allreduce":
-            return self.is_grad_worker(block)
-        return self.holds(block.name, side)
+            return self.plan.layers[name].grad_workers
+        return (self.worker(name, side),)
 
     def counts_in_kl_sum(self, block: KFACBlock) -> bool:
         """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
@@ -329,27 +339,86 @@ class Distributor:
         return tensors
 
     # ------------------------------------------------------------- checkpoint
-    def gather_state(self, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """Whole per-layer state from the ranks holding its pieces: ``A`` (and its adaptive-refresh
-        references) from its worker, ``G`` likewise, the decomposition from the layer's ``A`` worker."""
-        if self.world == 1:
-            return local
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, _to_cpu(local), group=self.group)
-        merged = {}
-        for name, placement in self.plan.layers.items():
-            a_entry, g_entry = everyone[placement.a_worker][name], everyone[placement.g_worker][name]
-            merged[name] = {"A": a_entry["A"], "G": g_entry["G"], "state": a_entry["state"]}
-            if "A_refs" in a_entry:
-                merged[name].update(A_refs=a_entry["A_refs"], G_refs=g_entry["G_refs"])
-        return merged
+    def gather_state(self, local: dict[str, dict[str, Any]]) -> Optional[dict[str, dict[str, Any]]]:
+        """The whole per-layer state, as CPU tensors, on rank :data:`SAVER`; ``None`` on the others,
+        which receive nothing. ``local`` is every rank's own view (``None`` for what it does not hold).
+
+        Each entry (``A``, ``G``, the decomposition, a factor's adaptive-refresh references) crosses
+        at most once, point to point: from the saver itself where it holds the entry, else from the
+        one rank the plan designates (the factor's decomposing rank; the layer's ``A`` worker for
+        the decomposition). Collective: call it on every rank."""
+        entries = [e for name in self.plan.layers for e in self._state_entries(name, local[name])]
+        device = blocks_device(self._blocks.values())
+        if self.rank != SAVER:
+            mine = [(e, local[e.name][e.key]) for e in entries if e.source == self.rank]
+            tensors = [None if t is None else t.to(e.dtype) for e, value in mine for t in e.tensors(value)]
+            if tensors:
+                send_(tensors, self.groups.to_global(SAVER), self.group, device)
+            return None
+        remote = [e for e in entries if e.source != SAVER]
+        specs = [(shape, e.dtype) for e in remote for shape in e.shapes]
+        srcs = [self.groups.to_global(e.source) for e in remote for _ in e.shapes]
+        received = iter(receive(specs, srcs, self.group, device) if specs else [])
+        state: dict[str, dict[str, Any]] = {name: {} for name in self.plan.layers}
+        for e in entries:
+            if e.source == SAVER:
+                tensors = e.tensors(local[e.name][e.key])
+            else:
+                tensors = [next(received) for _ in e.shapes]
+            state[e.name][e.key] = e.value([None if t is None else _saved(t) for t in tensors])
+        return state
+
+    def _state_entries(self, name: str, keys: Iterable[str]) -> list[_StateEntry]:
+        """Layer ``name``'s saved entries ``keys``, each with the rank it is taken from: the saver
+        where it holds the entry, else the plan's designated rank."""
+        p, block = self.plan.layers[name], self._blocks[name]
+        a, g = block.adapter.a_dim, block.adapter.g_dim
+        factor, inv = self.config.factor_torch_dtype, self.config.inv_torch_dtype
+        a_side, g_side = self.method.side_shapes(a, g)
+        # key: (ranks holding it, designated rank, its tensors' shapes, their dtype)
+        where = {
+            "A": (self._keepers(name, "A"), p.a_worker, [(a, a)], factor),
+            "G": (self._keepers(name, "G"), p.g_worker, [(g, g)], factor),
+            "state": (p.grad_workers, p.a_worker, a_side + g_side, inv),
+            "A_refs": ((p.a_worker,), p.a_worker, [(a, a)] * 2, factor),
+            "G_refs": ((p.g_worker,), p.g_worker, [(g, g)] * 2, factor),
+        }
+        entries = []
+        for key in keys:
+            holders, designated, shapes, dtype = where[key]
+            entries.append(_StateEntry(name, key, SAVER if SAVER in holders else designated, shapes, dtype))
+        return entries
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+@dataclass(frozen=True)
+class _StateEntry:
+    """One entry of a layer's saved state (``key``: ``A``, ``G``, ``state``, ``A_refs`` or ``G_refs``):
+    the rank it is taken from, and the shapes and dtype of its tensors."""
+
+    name: str
+    key: str
+    source: int
+    shapes: list[Shape]
+    dtype: torch.dtype
+
+    def tensors(self, value: Any) -> list[Optional[torch.Tensor]]:
+        """The entry's value as one slot per tensor (``None`` where absent)."""
+        if value is None:
+            return [None] * len(self.shapes)
+        return [value] if isinstance(value, torch.Tensor) else list(value)
+
+    def value(self, tensors: list[Optional[torch.Tensor]]) -> Any:
+        """The inverse of :meth:`tensors`: a factor, a decomposition (a list, or ``None``), or the references."""
+        if self.key in ("A", "G"):
+            return tensors[0]
+        if self.key == "state":
+            return None if tensors[0] is None else tensors
+        return tensors
+
+
+def _saved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, copied where it is a view into a larger storage (a decomposition lives in
+    its shape's stack), which saving would otherwise write whole."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.to("cpu", copy=True)
+    return t.cpu()

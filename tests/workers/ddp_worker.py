@@ -65,7 +65,8 @@ def train(scenario: dict) -> dict:
         "buckets": len(buckets.buckets) if buckets is not None else 0,
         "layers": {name: (p.a_worker, p.g_worker, p.grad_workers) for name, p in plan.layers.items()},
         "shapes": {b.name: (b.adapter.a_dim, b.adapter.g_dim) for b in kfac.blocks},
-        "kfac": kfac.state_dict(),
+        "kfac": kfac.state_dict(),  # the whole state on rank 0, None on the others
+        "refresh": kfac.refresh.state_dict() if kfac.refresh is not None else None,
     }
 
 

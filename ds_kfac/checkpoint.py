@@ -1,0 +1,263 @@
+"""What a saved K-FAC state must hold, checked whole before any of it is installed.
+
+:meth:`KFACPreconditioner.load_state_dict` (and ``KFACEngine.load_checkpoint``,
+before DeepSpeed loads anything) checks a state against what the preconditioner
+expects: the version, the method keys, the layer set, every tensor's type,
+dtype family (floating point), shape and finiteness, the step count and
+counters (non-negative ints), the adaptive-refresh schedule and the pending
+decompositions. One ``ValueError`` names every problem, and nothing is written
+unless there is none: a NaN loaded into a factor would make every later step
+non-finite (under ZeRO 2, skipped as an overflow forever), and a malformed
+entry would fail at the next step with part of the state already replaced.
+Every rank checks the whole state, so all ranks refuse or accept it together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .config import KFACConfig
+from .curvature.decomposition import Shape
+from .curvature.factors import finite_flags
+
+STATE_VERSION = 1
+
+METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping", "conv_factors")
+"""Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
+they match."""
+
+OPTIONAL_KEYS = ("refresh", "pending_decompositions")
+"""Top-level keys that a state may leave out (it then has none)."""
+
+REQUIRED_KEYS = ("version", "steps", "counters", "layers")
+
+
+class LayerLayout(NamedTuple):
+    """A layer's factor sizes and the shapes of its decomposition's tensors (``A`` side, then ``G`` side)."""
+
+    a_dim: int
+    g_dim: int
+    state_shapes: list[Shape]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What a state must hold to load into one preconditioner."""
+
+    method_keys: dict[str, Any]
+    """This run's value of each of :data:`METHOD_KEYS`."""
+    method: str
+    """The decomposition's name (for messages)."""
+    layers: dict[str, LayerLayout]
+    adaptive: bool
+    """Whether decompositions refresh adaptively (the state then holds the schedule and references)."""
+
+
+@dataclass(frozen=True)
+class CheckedState:
+    """A state that :func:`check_state` accepted for ``layout``: installing it needs no second check."""
+
+    state: dict[str, Any]
+    layout: StateLayout
+
+
+def check_state(state: Any, layout: StateLayout) -> CheckedState:
+    """``state`` (from ``KFACPreconditioner.state_dict()``) checked against ``layout``; a state
+    already checked for this layout is returned as it is. Raises one ``ValueError`` naming every
+    problem: first those that say the state is from another run setup (version, method keys,
+    layer set, refresh mode), else every malformed or non-finite entry."""
+    if isinstance(state, CheckedState):
+        if state.layout == layout:
+            return state
+        state = state.state
+    if not isinstance(state, dict):
+        raise ValueError(f"K-FAC state must be a dict (KFACPreconditioner.state_dict()), got {type(state).__name__}")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"K-FAC state has version {state.get('version')!r}, expected {STATE_VERSION}")
+    for find_problems in (_setup_problems, _content_problems):  # the second assumes the first found none
+        problems = find_problems(state, layout)
+        if problems:
+            raise ValueError("K-FAC state not loaded (nothing was changed): " + "; ".join(problems))
+    return CheckedState(state, layout)
+
+
+def _setup_problems(state: dict[str, Any], layout: StateLayout) -> list[str]:
+    """Differences in what the state was saved for: its keys, method keys, layers and refresh mode."""
+    problems = _key_problems("the state", state, REQUIRED_KEYS, REQUIRED_KEYS + OPTIONAL_KEYS + METHOD_KEYS)
+    for key, now in layout.method_keys.items():
+        # A checkpoint from before a key existed was saved with its default.
+        then = state.get(key, KFACConfig.model_fields[key].default)
+        if then != now:
+            problems.append(f"saved with {key}={then!r}, this run uses {now!r}")
+    layers = state.get("layers", {})
+    if not isinstance(layers, dict):
+        problems.append(f"'layers' must be a dict of layer name to entry, got {_describe(layers)}")
+    elif "layers" in state and set(layers) != set(layout.layers):
+        saved, here = set(layers), set(layout.layers)
+        problems.append(
+            f"does not match this model's layers: missing from the checkpoint {sorted(here - saved)}, "
+            f"not in this model {sorted(saved - here, key=str)}"
+        )
+    saved_adaptive = state.get("refresh") is not None
+    if saved_adaptive != layout.adaptive:
+        problems.append(f"saved with inv_update_steps {_mode(saved_adaptive)}, this run uses {_mode(layout.adaptive)}")
+    return problems
+
+
+def _mode(adaptive: bool) -> str:
+    return "adaptive" if adaptive else "fixed"
+
+
+def _content_problems(state: dict[str, Any], layout: StateLayout) -> list[str]:
+    """Malformed or non-finite entries of a state saved for this setup."""
+    problems: list[str] = []
+    steps = state["steps"]
+    if not _is_count(steps):
+        problems.append(f"'steps' must be a non-negative int, got {_describe(steps)}")
+    counters = state["counters"]
+    if not isinstance(counters, dict):
+        problems.append(f"'counters' must be a dict of counter name to count, got {_describe(counters)}")
+    else:
+        problems += [
+            f"counters[{name!r}] must be a non-negative int, got {_describe(n)}"
+            for name, n in counters.items()
+            if not (isinstance(name, str) and _is_count(n))
+        ]
+    if layout.adaptive:
+        problems += _refresh_problems(state["refresh"], layout)
+    problems += _pending_problems(state.get("pending_decompositions"), steps if _is_count(steps) else None)
+    tensors: list[tuple[str, torch.Tensor]] = []  # (what, tensor): checked for finiteness together
+    for name, expected in layout.layers.items():
+        problems += _layer_problems(name, state["layers"][name], expected, layout, tensors)
+    finite = finite_flags([t for _, t in tensors])  # one host sync for every tensor of the state
+    problems += [f"{what} is not finite (NaN or infinity)" for (what, _), ok in zip(tensors, finite) if not ok]
+    return problems
+
+
+def _refresh_problems(refresh: Any, layout: StateLayout) -> list[str]:
+    """The adaptive-refresh schedule: ``[interval, previous_interval, next_step, refreshes]`` per factor."""
+    if not isinstance(refresh, dict):
+        return [f"'refresh' must be a dict of factor to schedule, got {_describe(refresh)}"]
+    expected = {f"{name}.{side}" for name in layout.layers for side in ("A", "G")}
+    problems = []
+    if set(refresh) != expected:
+        problems.append(
+            f"'refresh' has no schedule for {sorted(expected - set(refresh))}, "
+            f"and one for unknown factors {sorted(set(refresh) - expected, key=str)}"
+        )
+    for key in sorted(expected & set(refresh)):
+        schedule = refresh[key]
+        well_formed = isinstance(schedule, (list, tuple)) and len(schedule) == 4 and all(map(_is_count, schedule))
+        if not (well_formed and schedule[0] >= 1):
+            problems.append(
+                f"refresh[{key!r}] must be [interval >= 1, previous_interval, next_step, refreshes] of "
+                f"non-negative ints, got {schedule!r}"
+            )
+    return problems
+
+
+def _pending_problems(pending: Any, steps: int | None) -> list[str]:
+    """Decompositions started at step ``started`` and due at ``install_at``: ``started < steps <= install_at``."""
+    if pending is None:
+        return []
+    if not (
+        isinstance(pending, dict)
+        and set(pending) == {"started", "install_at"}
+        and all(map(_is_count, pending.values()))
+    ):
+        return [
+            f"'pending_decompositions' must be None or {{'started': int, 'install_at': int}}, got {_describe(pending)}"
+        ]
+    if steps is not None and not pending["started"] < steps <= pending["install_at"]:
+        return [f"'pending_decompositions' {pending} does not fit steps={steps} (needs started < steps <= install_at)"]
+    return []
+
+
+def _layer_problems(
+    name: str, entry: Any, expected: LayerLayout, layout: StateLayout, tensors: list[tuple[str, torch.Tensor]]
+) -> list[str]:
+    """One layer's entry; its tensors that are well formed are appended to ``tensors``."""
+    where = f"layer {name!r}"
+    if not isinstance(entry, dict):
+        return [f"{where} must be a dict, got {_describe(entry)}"]
+    keys = ("shape", "A", "G", "state") + (("A_refs", "G_refs") if layout.adaptive else ())
+    problems = _key_problems(where, entry, keys, keys)
+    if problems:
+        return problems
+    a, g = expected.a_dim, expected.g_dim
+    shape = entry["shape"]
+    if not (isinstance(shape, (list, tuple)) and tuple(shape) == (a, g)):
+        return [f"{where}: checkpoint factors are (A, G) = {_shape_of(shape)}, this model has {(a, g)}"]
+    problems = [
+        problem
+        for key, dim in (("A", a), ("G", g))
+        for problem in _tensor_problems(f"{where}: {key}", entry[key], (dim, dim), tensors)
+    ]
+    problems += _decomposition_problems(where, entry["state"], expected.state_shapes, layout.method, tensors)
+    if layout.adaptive:
+        for key, dim in (("A_refs", a), ("G_refs", g)):
+            refs = entry[key]
+            if not (isinstance(refs, (list, tuple)) and len(refs) == 2):
+                problems.append(f"{where}: {key} must be [last, before_last] (tensors or None), got {_describe(refs)}")
+                continue
+            for i, ref in enumerate(refs):
+                problems += _tensor_problems(f"{where}: {key}[{i}]", ref, (dim, dim), tensors)
+    return problems
+
+
+def _decomposition_problems(
+    where: str, state: Any, shapes: list[Shape], method: str, tensors: list[tuple[str, torch.Tensor]]
+) -> list[str]:
+    if state is None:
+        return []
+    if not (isinstance(state, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in state)):
+        return [f"{where}: the decomposition must be None or a list of tensors, got {_describe(state)}"]
+    saved = [tuple(t.shape) for t in state]
+    if saved != shapes:
+        return [
+            f"{where}: checkpoint decomposition has tensors of shapes {saved}, {method!r} holds {shapes} "
+            f"(saved by another ds_kfac version?)"
+        ]
+    return [
+        problem
+        for i, (t, shape) in enumerate(zip(state, shapes))
+        for problem in _tensor_problems(f"{where}: decomposition tensor {i}", t, shape, tensors)
+    ]
+
+
+def _tensor_problems(what: str, value: Any, shape: Shape, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """``value`` must be ``None`` or a floating-point tensor of ``shape``; if it is, it joins ``tensors``."""
+    if value is None:
+        return []
+    if not isinstance(value, torch.Tensor):
+        return [f"{what} must be a tensor or None, got {_describe(value)}"]
+    if not value.is_floating_point():
+        return [f"{what} has dtype {value.dtype}, expected a floating-point dtype"]
+    if tuple(value.shape) != tuple(shape):
+        return [f"{what} has shape {tuple(value.shape)}, expected {tuple(shape)}"]
+    tensors.append((what, value))
+    return []
+
+
+def _key_problems(where: str, mapping: dict, required: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    missing = [key for key in required if key not in mapping]
+    unknown = sorted(set(mapping) - set(allowed), key=str)
+    return [f"{where} has no key {key!r}" for key in missing] + [
+        f"{where} has an unknown key {key!r}" for key in unknown
+    ]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shape_of(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(value).__name__})"
