@@ -20,9 +20,7 @@ contract documented in ``docs/conventions.md`` and pinned by ``tests/``.
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
@@ -35,32 +33,11 @@ from .collection import FactorCollector, LossScale
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_rank, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
+from .health import Health
 from .layers import SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout
+from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
-
-
-@dataclass
-class Snapshot:
-    """What :meth:`KFACPreconditioner.restore` needs to undo a step (references, not copies)."""
-
-    steps: int
-    blocks: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[tuple]]]
-    counters: dict[str, int]
-    last_nu: Optional[torch.Tensor]
-    refresh: Optional[dict]
-    pending: Optional["PendingDecompositions"]
-
-
-@dataclass
-class PendingDecompositions:
-    """Decompositions running in the background (``async_decompositions``): started from the
-    factors of step ``started``, installed at the start of step ``install_at``."""
-
-    started: int
-    install_at: int
-    blocks: list[KFACBlock]
-    job: Background
 
 
 def _every_backward_ends_a_step() -> bool:
@@ -155,15 +132,11 @@ class KFACPreconditioner:
         factor_keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
         adaptive = self.config.inv_update_steps == "adaptive"
         self.refresh = AdaptiveRefresh(factor_keys, self.config.adaptive_threshold) if adaptive else None
-        self.steps = 0
-        self.last_nu: Optional[torch.Tensor] = None
-        self.counters: dict[str, int] = defaultdict(int)
+        self.state = TrainingState(self.blocks, self.refresh)
+        """All that a step changes and a checkpoint holds (:mod:`ds_kfac.state`)."""
+        self.health = Health(self.state, kl_clip=self.config.kl_clip is not None, factor_dtype=self.config.factor_dtype)
         self.timer = PhaseTimer()
-        self._pending: Optional[PendingDecompositions] = None
         self._stacks = StackedStates()
-        self._reported_missing: set[str] = set()
-        self._reported_unanswered: set[str] = set()
-        self._seen: set[str] = set()  # layers that have had factors (the same set on every rank)
         self.collector = FactorCollector(
             self.blocks,
             self.distributor,
@@ -177,6 +150,21 @@ class KFACPreconditioner:
     def collecting(self) -> bool:
         """Whether the hooks gather factors for the step in progress (``steps % factor_update_steps == 0``)."""
         return self.collector.collecting
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps preconditioned so far (the step in progress has this index)."""
+        return self.state.scalars.steps
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Health counters: what K-FAC skipped or could not do (:mod:`ds_kfac.health`)."""
+        return self.state.scalars.counters
+
+    @property
+    def last_nu(self) -> Optional[torch.Tensor]:
+        """The KL clip's factor of the last preconditioned step (``None`` without ``kl_clip``)."""
+        return self.state.scalars.last_nu
 
     def discard_step_statistics(self) -> None:
         """Forget the factors gathered for the step in progress (e.g. it overflowed and is skipped).
@@ -239,7 +227,7 @@ class KFACPreconditioner:
                     vg = vg[0]
                 scale = layout.grad_scale()
                 nu = torch.sqrt(self.config.at("kl_clip", s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
-                self.last_nu = nu
+                self.state.scalars.last_nu = nu
                 out = [None if p is None else p.mul_(nu.to(p.dtype)) for p in out]
             layout.write(blocks, fragments, distributor.share_preconditioned(blocks, out, grads))
         return True
@@ -255,28 +243,22 @@ class KFACPreconditioner:
                 f"compile (fullgraph=False), or call torch._dynamo.reset() before compiling; or these layers are "
                 f"called through a functional path (F.linear on their weight): list them in skip_layers"
             )
-        self.counters["steps_without_backward"] += 1
-        warnings.warn(
-            f"K-FAC step {self.steps} skipped: no backward pass through its layers since the last step "
-            f"(step() called twice?); the gradients were left as they are and the step count did not advance",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        self.health.step_without_backward(self.steps)
         return False
 
     @torch.no_grad()
     def update_curvature(self) -> None:
         """Steps 2 and 3 of the flow: fold in this step's factors, decompose when scheduled."""
-        s = self.steps
-        if self._pending is not None and s >= self._pending.install_at:
+        s, scalars = self.steps, self.state.scalars
+        if scalars.pending is not None and s >= scalars.pending.install_at:
             with self.timer.phase("decompose"):
-                self._adopt(*self.distributor.share_sides(self._pending.blocks, *self._pending.job.result()))
-            self._pending = None
+                self._adopt(*self.distributor.share_sides(scalars.pending.blocks, *scalars.pending.job.result()))
+            scalars.pending = None
         if self.collector.collecting:
             self._update_factors(self.config.at("factor_decay", s))
         damping = self.config.at("damping", s)
         if self.refresh is not None:
-            due = [key for key in self.refresh.due(s) if key[0] in self._seen]
+            due = [key for key in self.refresh.due(s) if key[0] in self.state.scalars.seen]
             if due:
                 with self.timer.phase("decompose"):
                     intervals = self.distributor.agree_intervals(due, self.refresh.decide)
@@ -305,11 +287,11 @@ class KFACPreconditioner:
         seen = self._seen_blocks()
         damping = self.config.at("damping", started)
         job = Background(partial(self.distributor.compute_sides, seen, damping), blocks_device(self.blocks))
-        self._pending = PendingDecompositions(started, install_at, seen, job)
+        self.state.scalars.pending = PendingDecompositions(started, install_at, seen, job)
 
     def _seen_blocks(self) -> list[KFACBlock]:
         """The blocks that have had factors (the same on every rank): those that are decomposed."""
-        return [b for b in self.blocks if b.name in self._seen]
+        return [b for b in self.blocks if b.name in self.state.scalars.seen]
 
     def _is_factor_step(self, step: int) -> bool:
         return step % self.config.at("factor_update_steps", step) == 0
@@ -319,7 +301,7 @@ class KFACPreconditioner:
 
     def finish_step(self) -> None:
         """Advance the step counter and arm the hooks for the next step."""
-        self.steps += 1
+        self.state.scalars.steps += 1
         self._arm_hooks()
 
     def _arm_hooks(self) -> None:
@@ -332,36 +314,10 @@ class KFACPreconditioner:
         with self.timer.phase("factors"):
             bad = self.distributor.fold_factors(reduced, decay)
         if bad:
-            self.counters["nonfinite_factor_updates"] += len(bad)
-            cause = ""
-            if self.config.factor_dtype == "float16":
-                cause = (
-                    " factor_dtype is float16, which overflows above 65504 in storage and in communication: "
-                    "use bfloat16 or float32 if the factors are that large."
-                )
-            warnings.warn(
-                f"K-FAC skipped non-finite factor updates of {bad} (each keeps its previous running average).{cause}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        self._report_unanswered()
-
-    def _report_unanswered(self) -> None:
-        """Count (and report once per layer) forward calls of the step whose output got no backward."""
+            self.health.nonfinite_factors(bad)
         unanswered = self.collector.unanswered()
-        if not unanswered:
-            return
-        self.counters["forwards_without_backward"] += sum(unanswered.values())
-        new = set(unanswered) - self._reported_unanswered
-        if new:
-            self._reported_unanswered |= new
-            warnings.warn(
-                f"K-FAC ignored forward passes in training mode whose outputs got no backward "
-                f"({ {name: unanswered[name] for name in sorted(new)} } calls per layer; e.g. a metric computed "
-                f"without torch.no_grad()): they do not enter A. Wrap such passes in torch.no_grad() or model.eval()",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+        if unanswered:
+            self.health.unanswered_forwards(unanswered)
 
     def _blocks_with_statistics(self) -> list[KFACBlock]:
         """Blocks whose hooks fired this step, agreed on by all ranks; report (once) and
@@ -383,20 +339,9 @@ class KFACPreconditioner:
                 b.a.discard_step()
                 b.g.discard_step()
         if missing:
-            self.counters["missing_layer_updates"] += len(missing)
-            new = set(missing) - self._reported_missing
-            if new:
-                self._reported_missing |= new
-                passing = " (only scaled by the KL clip's factor nu, as every layer is)" if self.config.kl_clip else ""
-                warnings.warn(
-                    f"K-FAC layers whose hooks did not fire this step (called through a functional path, "
-                    f"unused, or without grad?): {sorted(new)}; until they have factors their gradients are not "
-                    f"preconditioned{passing}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            self.health.missing_layers(missing)
         ready = [b for b, ok in zip(self.blocks, present) if ok]
-        self._seen.update(b.name for b in ready)
+        self.state.scalars.seen |= {b.name for b in ready}
         return ready
 
     def _update_decompositions(self, damping: float, due: Optional[set[tuple[str, str]]] = None) -> None:
@@ -416,38 +361,17 @@ class KFACPreconditioner:
             else:
                 failed.append(block.name)
         if failed:
-            self.counters["failed_decompositions"] += len(failed)
-            warnings.warn(
-                f"K-FAC could not decompose {failed} (a factor without a finite running average yet, see any "
-                f"non-finite factor warning, or a decomposition that is not finite); keeping the previous "
-                f"decomposition, or passing the gradient through before the first",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self.health.failed_decompositions(failed)
 
-    def snapshot(self) -> "Snapshot":
+    def snapshot(self) -> Snapshot:
         """References to all state a step changes (steps never modify tensors in place), to
         :meth:`restore` if the step is then skipped, e.g. by DeepSpeed for fp16 overflow."""
-        return Snapshot(
-            steps=self.steps,
-            blocks=[(b.a.value, b.g.value, b.state) for b in self.blocks],
-            counters=dict(self.counters),
-            last_nu=self.last_nu,
-            refresh=self.refresh.snapshot() if self.refresh is not None else None,
-            pending=self._pending,
-        )
+        return self.state.snapshot()
 
-    def restore(self, snap: "Snapshot") -> None:
+    def restore(self, snap: Snapshot) -> None:
         """Undo everything since :meth:`snapshot`, dropping the statistics gathered for that step."""
-        for b, (a, g, state) in zip(self.blocks, snap.blocks):
-            b.a.value, b.g.value, b.state = a, g, state
+        self.state.restore(snap)
         self.discard_step_statistics()
-        self.steps = snap.steps
-        self.counters = defaultdict(int, snap.counters)
-        self.last_nu = snap.last_nu
-        if self.refresh is not None:
-            self.refresh.restore(snap.refresh)
-        self._pending = snap.pending
         self._arm_hooks()
 
     @property
@@ -490,12 +414,13 @@ class KFACPreconditioner:
         layers = self.distributor.gather_state(self._local_state())
         if layers is None:
             return None
-        p = self._pending
+        scalars = self.state.scalars
+        p = scalars.pending
         return {
             "version": STATE_VERSION,
-            "steps": self.steps,
+            "steps": scalars.steps,
             **{key: getattr(self.config, key) for key in METHOD_KEYS},
-            "counters": dict(self.counters),
+            "counters": dict(scalars.counters),
             "refresh": self.refresh.state_dict() if self.refresh is not None else None,
             # Restarted on load from the saved factors, which are those it started from.
             "pending_decompositions": None if p is None else {"started": p.started, "install_at": p.install_at},
@@ -544,18 +469,19 @@ class KFACPreconditioner:
             b.g.value = g if self.distributor.keeps(b, "G") else None
             worker = self.distributor.is_grad_worker(b) and entry["state"] is not None
             b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if worker else None
-        self.distributor.discard_statistics()
-        self._seen = {name for name, entry in state["layers"].items() if entry["A"] is not None}
+        self.discard_step_statistics()
         if self.refresh is not None:
             self.refresh.load_state_dict(state["refresh"])
             device = blocks_device(self.blocks)
             for (name, side), f in self.refresh.factors.items():
                 refs = state["layers"][name][f"{side}_refs"] if self.distributor.holds(name, side) else (None, None)
                 f.last, f.before_last = (None if t is None else t.to(device, factor_dtype) for t in refs)
-        self.steps = state["steps"]
-        self.counters = defaultdict(int, state["counters"])
+        self.state.scalars = Scalars(
+            steps=state["steps"],
+            counters=defaultdict(int, state["counters"]),
+            seen=frozenset(name for name, entry in state["layers"].items() if entry["A"] is not None),
+        )
         pending = state.get("pending_decompositions")
-        self._pending = None
         if pending is not None:
             self._run_in_background(pending["started"], pending["install_at"])
         self._arm_hooks()

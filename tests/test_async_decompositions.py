@@ -100,9 +100,9 @@ def test_an_undone_install_step_installs_again() -> None:
     ((net(x) - y) ** 2).mean().backward()
     snap = kfac.snapshot()
     kfac.precondition_gradients(GradientLayout())  # installs step 4's decompositions
-    assert kfac._pending is None
+    assert kfac.state.scalars.pending is None
     kfac.restore(snap)
-    assert kfac._pending is not None and kfac._pending.install_at == 6
+    assert kfac.state.scalars.pending is not None and kfac.state.scalars.pending.install_at == 6
     for a, b in zip(grads_of(net, kfac, 6), grads_of(again, reference, 6)):
         assert torch.equal(a, b)
 

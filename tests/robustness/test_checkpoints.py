@@ -49,8 +49,8 @@ def contents(kfac: KFACPreconditioner) -> dict[str, Any]:
     return {
         "steps": kfac.steps,
         "counters": dict(kfac.counters),
-        "pending": kfac._pending,
-        "seen": set(kfac._seen),
+        "pending": kfac.state.scalars.pending,
+        "seen": set(kfac.state.scalars.seen),
         "refresh": refresh,
         "layers": {b.name: (_copy(b.a.value), _copy(b.g.value), _copy(b.state)) for b in kfac.blocks},
     }
