@@ -162,6 +162,8 @@ class KFACPreconditioner:
         self.refresh = AdaptiveRefresh(factor_keys, self.config.adaptive_threshold) if adaptive else None
         self.steps = 0
         self.last_nu: Optional[torch.Tensor] = None
+        self.preconditioned: tuple[str, ...] = ()
+        """Layers this rank preconditioned with a decomposition in the last :meth:`precondition_gradients`."""
         self.counters: dict[str, int] = defaultdict(int)
         self.timer = PhaseTimer()
         self._pending: Optional[PendingDecompositions] = None
@@ -237,6 +239,7 @@ class KFACPreconditioner:
         mine = [distributor.is_grad_worker(b) for b in blocks]
         chosen = [i for i, m in enumerate(mine) if m]
         mine_blocks = [blocks[i] for i in chosen]
+        self.preconditioned = tuple(b.name for b in mine_blocks if b.state is not None)
         if self._stacks.stale(mine_blocks):
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
                 self._stacks.prepare(mine_blocks)
