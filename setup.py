@@ -14,6 +14,8 @@ setup(
     python_requires=">=3.10",
     # torch is not capped: GPU clusters bring their own build. DeepSpeed is needed
     # for ds_kfac.initialize only; the standalone preconditioner runs on torch alone.
+    # ds_kfac reads DeepSpeed internals (docs/maintainers.md), verified on this version only:
+    # the same range as ds_kfac.integration.initialize.VERIFIED_DEEPSPEED, which warns outside it.
     install_requires=["torch>=2.1", "pydantic>=2"],
-    extras_require={"deepspeed": ["deepspeed>=0.16"]},
+    extras_require={"deepspeed": ["deepspeed==0.19.8"]},
 )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import ds_kfac
 from ds_kfac import KFACPreconditioner
 
 
@@ -106,7 +107,7 @@ def main() -> None:
             print(
                 f"| {str(overlap).lower()} | {1e3 * seconds:.1f} | {1e3 * factors:.1f} | {overlapped / args.steps:g} |"
             )
-    dist.destroy_process_group()
+    ds_kfac.shutdown()
 
 
 if __name__ == "__main__":

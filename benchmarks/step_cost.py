@@ -124,6 +124,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import launch  # noqa: E402  (tests/launch.py: timed, session-isolated subprocess launches)
 from time_to_target import apply_overrides, free_port, versions  # noqa: E402
 
+import ds_kfac  # noqa: E402
 from ds_kfac import KFACPreconditioner, Lamb  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
 from ds_kfac.timing import PHASES as KFAC_PHASES  # noqa: E402
@@ -513,14 +514,11 @@ def worker(spec_path: Path, rank: int) -> None:
         world_size=spec["world"],
         timeout=timedelta(seconds=spec["timeout"]),
     )
-    try:
-        result = measure(spec, rank)
-        if rank:
-            del result["records"]  # the steps are timed on rank 0
-        (spec_path.parent / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # no rank tears down gloo's connections while a peer still uses them
-    finally:
-        dist.destroy_process_group()
+    result = measure(spec, rank)
+    if rank:
+        del result["records"]  # the steps are timed on rank 0
+    (spec_path.parent / f"rank{rank}.json").write_text(json.dumps(result))
+    ds_kfac.shutdown()
 
 
 # ---------------------------------------------------------------- summaries

@@ -2,29 +2,31 @@
 
 * :func:`initialize` (DeepSpeed): ``deepspeed.initialize`` plus the ``"kfac"`` config section.
 * :class:`KFACPreconditioner` (plain PyTorch / DDP): ``kfac.step()`` between backward and ``optimizer.step()``.
+* :func:`shutdown` (both): the last call of a training script, on every rank.
 
 The conventions are in docs/conventions.md, the config keys in docs/config.md.
 """
 
+import importlib
 from typing import Any
 
 from .config import KFACConfig, KFACConfigError, PiecewiseSchedule
+from .integration import release_deepspeed_shm, shutdown
 from .layers import UnsupportedLayerError, register_adapter
 from .optimizers import Lamb, build_optimizer, resolve_lamb
 from .preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 
-_DEEPSPEED_API = ("initialize", "add_config_arguments", "KFACEngine", "release_deepspeed_shm")
+_DEEPSPEED_API = {"initialize": "initialize", "add_config_arguments": "initialize", "KFACEngine": "engine"}
+"""Names that import DeepSpeed, and their module in ``ds_kfac.integration``."""
 
 
 def __getattr__(name: str) -> Any:
     # DeepSpeed is imported only when its integration is used, so the standalone
     # preconditioner works (and imports quickly) with torch alone.
     if name in _DEEPSPEED_API:
-        from . import integration
-
-        return getattr(integration, name)
+        return getattr(importlib.import_module(f".integration.{_DEEPSPEED_API[name]}", __name__), name)
     raise AttributeError(f"module 'ds_kfac' has no attribute {name!r}")
 
 
@@ -42,4 +44,5 @@ __all__ = [
     "register_adapter",
     "release_deepspeed_shm",
     "resolve_lamb",
+    "shutdown",
 ]

@@ -135,6 +135,8 @@ class KFACPreconditioner:
         self.state = TrainingState(self.blocks, self.refresh)
         """All that a step changes and a checkpoint holds (:mod:`ds_kfac.state`)."""
         self.health = Health(self.state, kl_clip=self.config.kl_clip is not None, factor_dtype=self.config.factor_dtype)
+        self.preconditioned: tuple[str, ...] = ()
+        """Layers this rank preconditioned with a decomposition in the last :meth:`precondition_gradients`."""
         self.timer = PhaseTimer()
         self._stacks = StackedStates()
         self.collector = FactorCollector(
@@ -199,6 +201,7 @@ class KFACPreconditioner:
         mine = [distributor.is_grad_worker(b) for b in blocks]
         chosen = [i for i, m in enumerate(mine) if m]
         mine_blocks = [blocks[i] for i in chosen]
+        self.preconditioned = tuple(b.name for b in mine_blocks if b.state is not None)
         if self._stacks.stale(mine_blocks):
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
                 self._stacks.prepare(mine_blocks)

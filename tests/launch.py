@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ds_kfac.integration.cleanup import release_port_segments
+from ds_kfac.integration.cleanup import port_segments, release_port_segments
 
 WORKERS = Path(__file__).parent / "workers"
 BIN = Path(sys.executable).parent
@@ -31,17 +31,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]] = None) -> list[str]:
+def run(
+    cmds: list[list[str]],
+    timeout: float,
+    env: Optional[dict[str, str]] = None,
+    left_segments: Optional[list[Path]] = None,
+) -> list[str]:
     """Run ``cmds`` concurrently, each in a new session; return their outputs.
     If any fails or the time runs out, every process group is killed. Afterwards the
     DeepSpeed shared-memory segments of the launch's ports are removed (see
-    :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own."""
+    :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own. Those
+    found are first appended to ``left_segments``, when given."""
     try:
         return _run(cmds, timeout, env)
     finally:
         for cmd in cmds:
             if "--master_port" in cmd:
-                release_port_segments(cmd[cmd.index("--master_port") + 1])
+                port = cmd[cmd.index("--master_port") + 1]
+                if left_segments is not None:
+                    left_segments.extend(port_segments(port))
+                release_port_segments(port)
 
 
 def _run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]]) -> list[str]:
@@ -93,11 +102,13 @@ def deepspeed_run(
     scenarios: list[dict[str, Any]],
     timeout: float = 240,
     worker: Path = WORKERS / "ds_worker.py",
+    left_segments: Optional[list[Path]] = None,
 ) -> list[list[dict[str, Any]]]:
     """Run ``worker`` (``--spec``, ``--out``; by default ``workers/ds_worker.py``) with ``deepspeed --num_gpus
-    world``; return each scenario's per-rank results (``<out>/<scenario>_rank<r>.pt``)."""
+    world``; return each scenario's per-rank results (``<out>/<scenario>_rank<r>.pt``; ``left_segments``: see
+    :func:`run`)."""
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port())]
-    run([cmd + _spec(out_dir, scenarios, worker)], timeout)
+    run([cmd + _spec(out_dir, scenarios, worker)], timeout, left_segments=left_segments)
     return _results(out_dir, len(scenarios), world)
 
 

@@ -1,7 +1,10 @@
-"""Integration with the DeepSpeed engine: ``initialize`` and :class:`KFACEngine`."""
+"""Integration with DeepSpeed: ``initialize`` (:mod:`.initialize`), :class:`KFACEngine` (:mod:`.engine`)
+and the end of a job (:mod:`.cleanup`).
 
-from .cleanup import release_deepspeed_shm
-from .engine import STATE_FILE, KFACEngine
-from .initialize import add_config_arguments, initialize
+Only :mod:`.cleanup` is imported here: it needs torch alone, so :func:`shutdown` also ends DeepSpeed-free
+(DDP) jobs. The other two import DeepSpeed; ``ds_kfac`` loads them on first use.
+"""
 
-__all__ = ["STATE_FILE", "KFACEngine", "add_config_arguments", "initialize", "release_deepspeed_shm"]
+from .cleanup import release_deepspeed_shm, shutdown
+
+__all__ = ["release_deepspeed_shm", "shutdown"]

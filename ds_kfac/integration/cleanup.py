@@ -1,15 +1,19 @@
-"""Release what DeepSpeed's CPU shared-memory all-reduce leaves behind.
+"""A clean end of a distributed job: :func:`shutdown`, and what DeepSpeed's CPU all-reduce leaves behind.
 
 On CPU, DeepSpeed 0.19 builds a shared-memory all-reduce whose workspace is a
 ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
 segment per rank (about 69 MB), created at ``init_distributed`` and never
 unlinked: every CPU job leaves them behind until the machine runs out of
 memory. GPU jobs do not create them.
+
+This module needs torch alone (DeepSpeed is used only if the job imported it),
+so :func:`shutdown` also ends plain PyTorch / DDP jobs.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -27,13 +31,41 @@ def shm_segment(rank: int, addr: str | None = None, port: str | None = None) -> 
 
 def release_deepspeed_shm() -> None:
     """Unlink this rank's segment. Call on every rank after its last collective (after a barrier):
-    peers map their neighbours' segments while collectives run."""
+    peers map their neighbours' segments while collectives run. :func:`shutdown` does this."""
     if dist.is_available() and dist.is_initialized():
         shm_segment(dist.get_rank()).unlink(missing_ok=True)
 
 
+def port_segments(port: str | int) -> list[Path]:
+    """Every rank's segment of the job that used ``port`` (any address)."""
+    return sorted(SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"))
+
+
 def release_port_segments(port: str | int) -> None:
-    """Unlink every rank's segment of the job that used ``port`` (any address): for a launcher
+    """Unlink every rank's segment of the job that used ``port``: for a launcher
     whose ranks were killed before they could release their own."""
-    for segment in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
+    for segment in port_segments(port):
         segment.unlink(missing_ok=True)
+
+
+def shutdown() -> None:
+    """End this rank's part of the distributed job; call it on every rank at the end of training.
+
+    A barrier (no rank tears down while a peer still talks to it), then this
+    rank's DeepSpeed shared-memory segment is unlinked and every process group
+    is destroyed, K-FAC's own included. A rank that exits with live gloo groups
+    can abort in gloo's teardown ("terminate called without an active
+    exception") and fail the job. Idempotent, and a no-op when
+    ``torch.distributed`` is not initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    release_deepspeed_shm()
+    # DeepSpeed's own destroy also drops the group handles it caches; it is used only
+    # when DeepSpeed set up this job (it is then imported and initialized).
+    ds_comm = sys.modules.get("deepspeed.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()

@@ -26,6 +26,7 @@ import os
 import pickle
 from typing import Any, Optional
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -58,7 +59,8 @@ class KFACEngine(DeepSpeedEngine):
     """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
 
     Built by :func:`ds_kfac.initialize`, which first refuses the setups this
-    engine does not support (ZeRO 3, offload, pipeline, fp16 at stage 0).
+    engine does not support (ZeRO 3, offload, pipeline, tensor parallelism,
+    the hybrid engine, fp16 at stage 0).
     """
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
@@ -82,6 +84,7 @@ class KFACEngine(DeepSpeedEngine):
             self._grad_layout = GradientLayout(
                 _zero_fragment, group=self.optimizer.dp_process_group, sharded=True, grad_scale=self._loss_scale
             )
+        self._preconditioning_verified = False
 
     def _gradient_holders(self) -> dict[torch.nn.Parameter, tuple[int, ...]]:
         """Which data-parallel ranks' ZeRO partitions hold each parameter (one all-reduce, at construction)."""
@@ -103,6 +106,8 @@ class KFACEngine(DeepSpeedEngine):
             return
         snapshot = self.kfac.snapshot()
         preconditioned = self.kfac.precondition_gradients(self._grad_layout)
+        if preconditioned and not self._preconditioning_verified:
+            self._verify_preconditioning()
         super().step(lr_kwargs)
         if not preconditioned:
             return
@@ -112,6 +117,37 @@ class KFACEngine(DeepSpeedEngine):
         else:
             self.kfac.restore(snapshot)
             self.kfac.counters["skipped_steps"] += 1
+
+    def _verify_preconditioning(self) -> None:
+        """Raise if a layer that has a decomposition was preconditioned on no data-parallel rank.
+
+        That is how a renamed DeepSpeed internal would show: :func:`_zero_fragment` finds no
+        gradient, and K-FAC silently passes every gradient through. One small all-reduce per
+        step until the first step at which some layer has a decomposition (step 0, unless
+        decompositions run in the background), checked then, and never again.
+        """
+        blocks = self.kfac.blocks
+        done = set(self.kfac.preconditioned)
+        flags = torch.tensor(
+            [[b.state is not None for b in blocks], [b.name in done for b in blocks]],
+            dtype=torch.int32,
+            device=self.device,
+        )
+        all_reduce_sum_([flags], self.data_parallel_group)
+        decomposed, preconditioned = flags.tolist()
+        if not any(decomposed):
+            return
+        self._preconditioning_verified = True
+        missed = [b.name for b, d, p in zip(blocks, decomposed, preconditioned) if d and not p]
+        if missed:
+            stage = self.zero_optimization_stage()
+            where = "param._hp_mapping, integration/engine.py::_zero_fragment" if stage else "param.grad"
+            raise RuntimeError(
+                f"K-FAC layers {missed} have decompositions but no data-parallel rank preconditioned their "
+                f"gradients: ds_kfac found none of their gradient where it reads DeepSpeed's (ZeRO stage {stage}: "
+                f"{where}), so K-FAC would silently do nothing. A DeepSpeed internal it relies on has probably "
+                f"changed in DeepSpeed {deepspeed.__version__}: see the table in docs/maintainers.md"
+            )
 
     def _write_monitor_events(self) -> None:
         if not self.monitor.enabled:

@@ -9,32 +9,59 @@ Same arguments and return values as ``deepspeed.initialize``. Differences:
   DeepSpeed's CUDA-only FusedLamb cannot, with or without K-FAC.
 
 Everything else, including a config without ``"kfac"`` or with
-``"enabled": false``, goes to DeepSpeed unchanged.
+``"enabled": false``, goes to DeepSpeed unchanged. With K-FAC,
+:func:`_initialize_kfac` runs every step of the non-pipeline branch of
+``deepspeed.initialize`` itself, with :class:`KFACEngine` as the engine class
+(``tests/robustness/test_deepspeed_drift.py`` fails when DeepSpeed adds a step).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import difflib
+import functools
 import re
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import deepspeed
 import torch
+from deepspeed import comm as ds_comm
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.module_inject import set_autotp_mode
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config, merge_tp_model_init_into_config
+from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
+from deepspeed.utils import log_dist, logger
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from ..config import KFACConfig, KFACConfigError
 from ..optimizers import build_optimizer
 from .engine import KFACEngine
 
 JSON_OPTIMIZERS = ("lamb", "sgd")
+
+VERIFIED_DEEPSPEED = SpecifierSet("==0.19.8")
+"""The DeepSpeed versions whose internals ds_kfac reads (docs/maintainers.md) were checked on; setup.py's
+``deepspeed`` extra requires the same."""
+
+
+@functools.cache
+def check_deepspeed_version(version: str) -> None:
+    """Warn, once per process (cached), when DeepSpeed ``version`` is outside :data:`VERIFIED_DEEPSPEED`."""
+    if Version(version) not in VERIFIED_DEEPSPEED:
+        warnings.warn(
+            f"DeepSpeed {version} is outside the range ds_kfac was verified on (deepspeed{VERIFIED_DEEPSPEED}): "
+            f"the DeepSpeed internals listed in docs/maintainers.md may have changed",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,10 +70,39 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return deepspeed.add_config_arguments(parser)
 
 
+def _config_from_args(args: Any) -> Union[str, dict, None]:
+    """``args.deepspeed_config``, or the deprecated ``args.deepscale_config`` (which DeepSpeed still reads)."""
+    deepscale = getattr(args, "deepscale_config", None)
+    if deepscale is None:
+        return getattr(args, "deepspeed_config", None)
+    logger.warning("************ --deepscale_config is deprecated, please use --deepspeed_config ************")
+    if getattr(args, "deepspeed_config", None) is not None:
+        raise ValueError(
+            f"two DeepSpeed configs given: args.deepscale_config={deepscale!r} and "
+            f"args.deepspeed_config={args.deepspeed_config!r}; pass only one"
+        )
+    return deepscale
+
+
+@contextlib.contextmanager
+def _config_not_in(args: Any) -> Iterator[None]:
+    """Hide the config path(s) of ``args`` while the resolved dict is passed as ``config=``
+    (``deepspeed.initialize`` refuses both); the engine still gets the caller's ``args``."""
+    names = [n for n in ("deepspeed_config", "deepscale_config") if getattr(args, n, None) is not None]
+    saved = {n: getattr(args, n) for n in names}
+    for n in names:
+        setattr(args, n, None)
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            setattr(args, n, value)
+
+
 def _config_dict(args: Any, config: Union[str, dict, None], config_params: Union[str, dict, None]) -> dict:
     """The config as a fresh dict, from ``config``/``config_params`` or ``args.deepspeed_config``."""
     config = config if config is not None else config_params
-    from_args = getattr(args, "deepspeed_config", None)
+    from_args = _config_from_args(args)
     if from_args is not None and config is not None:
         raise ValueError(
             f"two DeepSpeed configs given: args.deepspeed_config={from_args!r} and config=...; pass only one"
@@ -100,7 +156,7 @@ def _optimizer_from_json(
     return optimizer
 
 
-def _refuse_unsupported(cfg: DeepSpeedConfig, config: dict, model: torch.nn.Module, mesh_param: Any) -> None:
+def _refuse_unsupported(cfg: DeepSpeedConfig, config: dict, model: torch.nn.Module, mpu: Any, mesh_param: Any) -> None:
     """One error naming every part of the DeepSpeed setup K-FAC does not support yet."""
     stage = cfg.zero_optimization_stage
     offload = [
@@ -132,6 +188,15 @@ def _refuse_unsupported(cfg: DeepSpeedConfig, config: dict, model: torch.nn.Modu
         problems.append("pipeline parallelism (PipelineModule)")
     if mesh_param is not None or "sequence_parallel_size" in config:
         problems.append("sequence/mesh parallelism")
+    if mpu is not None:
+        problems.append(
+            f"model/tensor parallelism (mpu={type(mpu).__name__}; K-FAC's factors would be those of each rank's shard)"
+        )
+    autotp = cfg.tensor_parallel_config.autotp_size
+    if autotp > 1:
+        problems.append(f"tensor_parallel.autotp_size={autotp} (AutoTP tensor parallelism; supported: 0, 1)")
+    if cfg.hybrid_engine.enabled:
+        problems.append("hybrid_engine.enabled=true (DeepSpeedHybridEngine, RLHF generation)")
     if problems:
         raise KFACConfigError("K-FAC does not support yet: " + "; ".join(problems))
 
@@ -158,14 +223,12 @@ def initialize(
     """
     if model is None:
         raise ValueError("ds_kfac.initialize requires a model")
+    check_deepspeed_version(deepspeed.__version__)
     config = _config_dict(args, config, config_params)
     if "kfac" not in config:
         _warn_near_misses(config)
     kfac_config = KFACConfig.parse(config.pop("kfac", None))
-    if args is not None and getattr(args, "deepspeed_config", None) is not None:
-        args = copy.copy(args)
-        args.deepspeed_config = None  # the resolved dict is passed as config=
-    deepspeed.init_distributed(
+    ds_comm.init_distributed(  # the first step of deepspeed.initialize; ZeRO's optimizer check needs it
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
@@ -183,11 +246,46 @@ def initialize(
         dist_init_required=dist_init_required,
         collate_fn=collate_fn,
         config=config,
+        mesh_param=mesh_param,
     )
     if not kfac_config.enabled:
-        return deepspeed.initialize(**common, distributed_port=distributed_port, mesh_param=mesh_param)
-    config_class = DeepSpeedConfig(config, mpu)
-    _refuse_unsupported(config_class, config, model, mesh_param)
-    # The non-pipeline path of deepspeed.initialize, with our engine class.
-    engine = KFACEngine(**common, config_class=config_class, kfac_config=kfac_config)
+        with _config_not_in(args):
+            return deepspeed.initialize(**common, distributed_port=distributed_port)
+    return _initialize_kfac(**common, kfac_config=kfac_config)
+
+
+def _initialize_kfac(
+    *,
+    model: torch.nn.Module,
+    config: dict,
+    kfac_config: KFACConfig,
+    mpu: Any,
+    mesh_param: Any,
+    **engine_args: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """The non-pipeline branch of ``deepspeed.initialize`` (0.19.8) after ``init_distributed``, step by step,
+    with :class:`KFACEngine`.
+
+    Steps that only serve setups :func:`_refuse_unsupported` refuses (a mesh device, the hybrid engine) are
+    left out; ``tests/robustness/test_deepspeed_drift.py`` lists every step and what happens to it here.
+    """
+    log_dist(
+        f"DeepSpeed info: version={deepspeed.__version__}, git-hash={deepspeed.__git_hash__}, "
+        f"git-branch={deepspeed.__git_branch__}; engine: ds_kfac.KFACEngine",
+        ranks=[0],
+    )
+    partition_parameters.shutdown_init_context()  # a zero.Init context must not wrap the engine's own modules
+    try:
+        merge_tp_model_init_into_config(config, mpu, mesh_param, ds_comm)  # deepspeed.tp_model_init's settings
+        config_class = DeepSpeedConfig(config, mpu)
+        _refuse_unsupported(config_class, config, model, mpu, mesh_param)
+        if config_class.tensor_parallel_config.autotp_size > 0:
+            set_autotp_mode(training=True)
+        deepspeed.set_optimizer_flags(config_class, model)  # e.g. Muon's per-parameter flags
+        engine = KFACEngine(
+            model=model, mpu=mpu, config=config, config_class=config_class, kfac_config=kfac_config, **engine_args
+        )
+    finally:
+        partition_parameters.restore_init_context()
+    engine._configure_python_gc()  # "disable_python_gc"
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

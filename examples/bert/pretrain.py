@@ -269,10 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         (args.output_dir / "summary.txt").write_text(report.summary_table(args.output_dir) + "\n")
         print(report.summary_table(args.output_dir))
         print(f"plot: {report.plot(args.output_dir)}")
-    dist.barrier()
-    ds_kfac.release_deepspeed_shm()
-    # Every group, K-FAC's own included: a rank that exits with live gloo groups can abort in teardown.
-    dist.destroy_process_group()
+    ds_kfac.shutdown()
 
 
 if __name__ == "__main__":

@@ -251,10 +251,7 @@ def main() -> None:
                     )
                     + "\n"
                 )
-    dist.barrier()
-    ds_kfac.release_deepspeed_shm()
-    # Every group, K-FAC's own included: a rank that exits with live gloo groups can abort in teardown.
-    dist.destroy_process_group()
+    ds_kfac.shutdown()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 import problem  # noqa: E402
 
 import ds_kfac  # noqa: E402
-from ds_kfac.integration import STATE_FILE  # noqa: E402
+from ds_kfac.integration.engine import STATE_FILE  # noqa: E402
 
 MICRO, GA = 2, 2
 

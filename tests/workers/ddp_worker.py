@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).parent))
 import problem  # noqa: E402
 
+import ds_kfac  # noqa: E402
 from ds_kfac import KFACPreconditioner  # noqa: E402
 from ds_kfac.comm import STATS  # noqa: E402
 
@@ -80,8 +81,7 @@ def main() -> None:
     out = Path(args.out)
     for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
         torch.save(run(scenario), out / f"{i}_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    ds_kfac.shutdown()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ scaler), ``nan_step`` (a NaN loss in that step), ``skip_steps`` (data steps
 left out), ``save`` / ``load`` (checkpoint dir, step to save after),
 ``expect_error`` (record the exception's message instead of failing), ``freeze`` (names of parameters
 set to ``requires_grad=False`` before ``initialize``).
+After the scenarios, ``ds_kfac.shutdown()`` ends the job; ``<out>/exit_rank<r>.json`` records what it left
+(whether this rank's DeepSpeed shared-memory segment existed before and after, and ``dist.is_initialized()``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import problem  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac.comm import STATS  # noqa: E402
+from ds_kfac.integration.cleanup import shm_segment  # noqa: E402
 
 
 def config(scenario: dict, world: int) -> dict:
@@ -117,10 +120,11 @@ def main() -> None:
     for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
         result = run(scenario)
         torch.save(result, out / f"{i}_rank{dist.get_rank()}.pt")
-    # An orderly gloo shutdown: without it a rank can abort at exit after a ZeRO checkpoint.
-    dist.barrier()
-    ds_kfac.release_deepspeed_shm()
-    dist.destroy_process_group()
+    rank, segment = dist.get_rank(), shm_segment(dist.get_rank())
+    had_segment = segment.exists()
+    ds_kfac.shutdown()
+    exit_state = {"had_segment": had_segment, "segment_left": segment.exists(), "initialized": dist.is_initialized()}
+    (out / f"exit_rank{rank}.json").write_text(json.dumps(exit_state))
 
 
 if __name__ == "__main__":
