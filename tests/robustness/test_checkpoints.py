@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 from typing import Any, Callable
 
 import launch
@@ -193,7 +192,7 @@ def test_every_problem_is_named_in_one_error() -> None:
 
 
 # ----------------------------------------------------------------------- 2 ranks, one launch
-WORKER = Path(__file__).with_name("checkpoint_worker.py")
+WORKER = launch.WORKERS / "checkpoint_worker.py"
 SCENARIOS = {
     "comm-opt": {"kfac": {"inv_update_steps": "adaptive"}},
     "mem-opt": {"ds": {"zero_optimization": {"stage": 2}}, "kfac": {"grad_worker_fraction": "mem-opt"}},

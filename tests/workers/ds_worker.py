@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import deepspeed
 import torch
@@ -108,7 +109,8 @@ def train(scenario: dict) -> dict:
     }
 
 
-def main() -> None:
+def main(run_scenario: Callable[[dict[str, Any]], dict[str, Any]] = run) -> None:
+    """The launcher's entry: each scenario of ``--spec`` through ``run_scenario``, saved to ``--out``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
@@ -118,7 +120,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     out = Path(args.out)
     for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
-        result = run(scenario)
+        result = run_scenario(scenario)
         torch.save(result, out / f"{i}_rank{dist.get_rank()}.pt")
     rank, segment = dist.get_rank(), shm_segment(dist.get_rank())
     had_segment = segment.exists()

@@ -15,22 +15,19 @@ Scenarios (a JSON list, each with ``ds`` and ``kfac`` overrides):
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import os
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parent))
+import ds_worker  # noqa: E402
 import problem  # noqa: E402
 
 import ds_kfac  # noqa: E402
@@ -173,21 +170,5 @@ def refused(scenario: dict) -> dict:
     return {"error": error, "before": before, "after": after, "reloaded": engine_state(engine)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
-        result = refused(scenario) if "refused" in scenario else gather(scenario)
-        torch.save(result, Path(args.out) / f"{i}_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    ds_kfac.release_deepspeed_shm()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    ds_worker.main(lambda scenario: refused(scenario) if "refused" in scenario else gather(scenario))
