@@ -89,19 +89,17 @@ def train(scenario: dict) -> dict:
         comm.append({k: STATS[k] - before.get(k, 0) for k in ("all_reduce", "reduce", "broadcast")})
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
-    holders = engine._gradient_holders() if kfac else {}
+    layout = kfac.layout if kfac else None
     return {
         "params": [p.detach().float().cpu() for p in engine.module.parameters()],
         "plan": {n: (p.a_worker, p.g_worker, p.grad_workers) for n, p in kfac.distributor.plan.layers.items()}
         if kfac
         else None,
-        "holders": {b.name: sorted({r for p in b.adapter.params() for r in holders[p]}) for b in kfac.blocks}
-        if kfac
-        else None,
+        "holders": layout.block_holders(kfac.blocks) if kfac else None,
         "kfac": kfac.state_dict() if kfac else None,
         "comm": comm,
         "overlapped": kfac.distributor.factor_buckets.overlapped if kfac and kfac.distributor.factor_buckets else 0,
-        "split": engine._grad_layout._split if kfac else None,
+        "split": getattr(layout, "split", None),
         "skipped_steps": engine.skipped_steps,
         "engine": type(engine).__name__,
         "optimizer": type(engine.basic_optimizer).__name__,
