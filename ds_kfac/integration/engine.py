@@ -69,8 +69,8 @@ class KFACEngine(DeepSpeedEngine):
         return zero_layout(stage, group, self._loss_scale)
 
     def _loss_scale(self) -> float:
-        """The scale the gradients carry: ZeRO 1/2 scale the loss in ``engine.backward`` (fp16)."""
-        return float(self.optimizer.loss_scale) if self.zero_optimization_stage() in (1, 2) else 1.0
+        """The scale the gradients carry: ZeRO 1-3 scale the loss in ``engine.backward`` (fp16)."""
+        return float(self.optimizer.loss_scale) if self.zero_optimization_stage() > 0 else 1.0
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         if not self.is_gradient_accumulation_boundary():
@@ -113,7 +113,10 @@ class KFACEngine(DeepSpeedEngine):
         missed = [b.name for b, d, p in zip(blocks, decomposed, preconditioned) if d and not p]
         if missed:
             stage = self.zero_optimization_stage()
-            where = "param._hp_mapping, integration/layouts.py::Zero12Gradients" if stage else "param.grad"
+            where = {
+                0: "param.grad",
+                3: "deepspeed.utils.safe_get_local_grad, integration/layouts.py::Zero3Gradients",
+            }.get(stage, "param._hp_mapping, integration/layouts.py::Zero12Gradients")
             raise RuntimeError(
                 f"K-FAC layers {missed} have decompositions but no data-parallel rank preconditioned their "
                 f"gradients: ds_kfac found none of their gradient where it reads DeepSpeed's (ZeRO stage {stage}: "

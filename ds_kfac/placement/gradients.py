@@ -75,10 +75,17 @@ does not precondition the block) and this rank's fragments of each."""
 
 
 class GradientLayout(ABC):
-    """Gather, score and write back the gradient matrices this rank preconditions."""
+    """Gather, score and write back the gradient matrices this rank preconditions.
+
+    Args:
+        grad_scale: the factor the stored gradients carry (the fp16 loss scale under ZeRO).
+    """
 
     sharded: bool = False
     """Whether ranks hold disjoint fragments rather than copies (the KL-clip sum is then summed over ranks)."""
+
+    def __init__(self, grad_scale: Callable[[], float] = lambda: 1.0) -> None:
+        self.grad_scale = grad_scale
 
     @abstractmethod
     def fragment(self, param: nn.Parameter) -> Optional[Fragment]:
@@ -93,10 +100,6 @@ class GradientLayout(ABC):
         """The ranks whose partitions hold each layer's gradient, which then are its gradient workers when
         fewer than all ranks are (``None``: the placement plan chooses them freely)."""
         return None
-
-    def grad_scale(self) -> float:
-        """The factor the stored gradients carry (the fp16 loss scale under ZeRO)."""
-        return 1.0
 
     def has_gradients(self, blocks: Sequence[KFACBlock]) -> bool:
         """Whether this rank holds a gradient for any of the blocks' parameters (no communication)."""
@@ -178,8 +181,8 @@ class PartitionedGradients(GradientLayout):
     sharded = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], grad_scale: Callable[[], float]) -> None:
+        super().__init__(grad_scale)
         self.group = group
-        self._grad_scale = grad_scale
         self.holders: Optional[dict[str, tuple[int, ...]]] = None
         """Which ranks' partitions hold each layer's gradient (set by :meth:`block_holders`)."""
         self.split: Optional[list[bool]] = None
@@ -188,9 +191,6 @@ class PartitionedGradients(GradientLayout):
     @abstractmethod
     def holds(self, param: nn.Parameter) -> bool:
         """Whether this rank's partition holds any of ``param``'s gradient (known before any backward)."""
-
-    def grad_scale(self) -> float:
-        return self._grad_scale()
 
     def block_holders(self, blocks: Sequence[KFACBlock]) -> dict[str, tuple[int, ...]]:
         """One all-reduce of a rank x parameter table, computed once. A layer is split when no rank is
