@@ -22,9 +22,16 @@ MEM_OPT = {**KFAC, "grad_worker_fraction": "mem-opt"}
 SCENARIOS = {
     "allreduce": {"ds": STAGE3, "kfac": MEM_OPT},
     "reduce_zero_init": {"ds": STAGE3, "kfac": {**MEM_OPT, "factor_reduction": "reduce"}, "zero_init": True},
+    "inverse": {"ds": STAGE3, "kfac": {**MEM_OPT, "compute_method": "inverse"}},
+    "outer_product_adaptive": {
+        "ds": STAGE3,
+        "kfac": {**MEM_OPT, "eigenvalue_outer_product": True, "inv_update_steps": "adaptive"},
+    },
     "bf16": {"ds": {**STAGE3, "bf16": {"enabled": True}}, "kfac": MEM_OPT},
+    "local": {"ds": STAGE3, "kfac": {**MEM_OPT, "factor_reduction": "local"}},
+    "local_stage0": {"kfac": {**MEM_OPT, "factor_reduction": "local"}},
 }
-FP32 = ("allreduce", "reduce_zero_init")
+FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive")
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +50,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("variant", FP32 + ("bf16",))
 def test_zero3_matches_single_process(runs: dict, variant: str) -> None:
     """Gradient accumulation (2 micro-batches of 2 per rank): the parameters after 6 K-FAC steps equal the
-    single-process run on the global batch (fp32 to 1e-5; bf16 to its 8-bit mantissa); ranks agree. K-FAC ran
-    once per optimizer step, not per micro-batch."""
-    kfac = SCENARIOS[variant]["kfac"]
-    expected, _ = reference(STEPS, **{k: v for k, v in kfac.items() if k not in KFAC or v != KFAC[k]})
+    single-process run on the global batch (fp32 to 1e-5; bf16 to its 8-bit mantissa), with factors reduced
+    to every worker or to the decomposing rank only, eigen (with or without the outer product, adaptive
+    refresh) or inverse; ranks agree. K-FAC ran once per optimizer step, not per micro-batch."""
+    expected, _ = reference(STEPS, **SCENARIOS[variant]["kfac"])
     results = runs[variant]
     assert_ranks_identical(results)
     tolerance = BF16_TOL if variant == "bf16" else FP32_TOL
@@ -55,6 +62,14 @@ def test_zero3_matches_single_process(runs: dict, variant: str) -> None:
     for r in results:
         assert r["kfac_steps"] == STEPS and r["micro_steps"] == STEPS * GA
     assert results[0]["kfac"]["steps"] == STEPS
+
+
+def test_local_factors_match_stage_0(runs: dict) -> None:
+    """``factor_reduction: "local"`` (each layer's factors from its worker's own micro-batches, which no single
+    process reproduces) gives the stage 0 run's parameters; ranks agree."""
+    assert_ranks_identical(runs["local"])
+    for got, want in zip(runs["local"][0]["params"], runs["local_stage0"][0]["params"]):
+        torch.testing.assert_close(got, want, **FP32_TOL)
 
 
 def test_zero_init_registers_the_same_layers(runs: dict) -> None:
