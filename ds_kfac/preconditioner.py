@@ -35,7 +35,7 @@ from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
 from .health import Health
 from .layers import SkippedLayer, find_layers
-from .placement import Distributor, GradientLayout
+from .placement import Distributor, GradientLayout, WholeGradients
 from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
 
@@ -71,9 +71,9 @@ class KFACPreconditioner:
             (``overlap_factor_comm``), otherwise at :meth:`step`.
         process_group: data-parallel group over which factors are averaged
             (the default group when distributed is initialized).
-        gradient_holders: the data-parallel ranks holding each parameter's reduced
-            gradient when it is partitioned (ZeRO 1/2); with ``mem-opt`` they become
-            the layer's gradient workers. Set by :class:`ds_kfac.KFACEngine`.
+        layout: where the reduced gradients lie at the step (:mod:`ds_kfac.placement.gradients`);
+            the default is each parameter's whole ``.grad`` (plain PyTorch, DDP). The
+            :class:`ds_kfac.KFACEngine` passes the layout of its ZeRO stage.
         **keys: the ``"kfac"`` keys, as an alternative to ``config``.
     """
 
@@ -89,7 +89,7 @@ class KFACPreconditioner:
         boundary: Optional[Callable[[], bool]] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        gradient_holders: Optional[dict[nn.Parameter, tuple[int, ...]]] = None,
+        layout: Optional[GradientLayout] = None,
         **keys: Any,
     ) -> None:
         if isinstance(config, KFACConfig):
@@ -122,11 +122,9 @@ class KFACPreconditioner:
             KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
             for name, adapter in layers
         ]
-        holders = None
-        if gradient_holders is not None:
-            holders = {
-                b.name: tuple(sorted({r for p in b.adapter.params() for r in gradient_holders[p]})) for b in self.blocks
-            }
+        self.layout = layout or WholeGradients()
+        """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
+        holders = self.layout.block_holders(self.blocks)
         self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes, holders)
         self._by_name = {b.name: b for b in self.blocks}
         factor_keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
@@ -176,28 +174,24 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, layout: Optional[GradientLayout] = None) -> None:
-        """Update curvature as scheduled and precondition every registered layer's gradient in place.
-
-        ``layout`` says where the reduced gradients lie; the default is each
-        parameter's whole ``.grad`` (plain PyTorch, DDP, ZeRO stage 0).
-        """
-        if self.precondition_gradients(layout or GradientLayout()):
+    def step(self) -> None:
+        """Update curvature as scheduled and precondition every registered layer's gradient in place
+        (where :attr:`layout` says the reduced gradients lie)."""
+        if self.precondition_gradients():
             self.finish_step()
 
     @torch.no_grad()
-    def precondition_gradients(self, layout: GradientLayout) -> bool:
+    def precondition_gradients(self) -> bool:
         """Steps 2-4 of the flow for the step in progress, without advancing the step counter.
 
         Returns whether it ran: a step with no backward through any registered layer since the
         last one (``step()`` called twice) would precondition the same gradients again, so it is
         skipped with a warning and counted as ``steps_without_backward``."""
         if not self.collector.backward_seen:
-            return self._no_backward(layout)
+            return self._no_backward()
         self.update_curvature()
-        s = self.steps
-        distributor = self.distributor
-        blocks, grads, fragments = layout.gather(self.blocks)
+        s, layout, distributor = self.steps, self.layout, self.distributor
+        blocks, grads, fragments = layout.gather(self.blocks, distributor.grad_workers)
         mine = [distributor.is_grad_worker(b) for b in blocks]
         chosen = [i for i, m in enumerate(mine) if m]
         mine_blocks = [blocks[i] for i in chosen]
@@ -232,13 +226,15 @@ class KFACPreconditioner:
                 nu = torch.sqrt(self.config.at("kl_clip", s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
                 self.state.scalars.last_nu = nu
                 out = [None if p is None else p.mul_(nu.to(p.dtype)) for p in out]
-            layout.write(blocks, fragments, distributor.share_preconditioned(blocks, out, grads))
+            if not layout.sharded:  # sharded: each rank writes what it holds, so no result is shared
+                out = distributor.share_preconditioned(blocks, out, grads)
+            layout.write(blocks, fragments, out)
         return True
 
-    def _no_backward(self, layout: GradientLayout) -> bool:
+    def _no_backward(self) -> bool:
         """A step that no registered layer's backward preceded: refuse a model whose hooks never ran although
         its layers have gradients (a compiled graph built without them); otherwise skip it with a warning."""
-        if not self.collector.ever_fired and layout.has_gradients(self.blocks):
+        if not self.collector.ever_fired and self.layout.has_gradients(self.blocks):
             raise RuntimeError(
                 f"K-FAC's module hooks have never run, yet its layers {self.layer_names} have gradients: the model "
                 f"ran without them. Either it ran a torch.compile graph built before K-FAC attached its hooks (also "

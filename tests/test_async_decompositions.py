@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ds_kfac import KFACConfigError, KFACPreconditioner
-from ds_kfac.placement import GradientLayout
 
 KEYS = {"damping": 0.01, "kl_clip": None, "factor_update_steps": 2, "inv_update_steps": 4}
 STEPS = 13
@@ -99,7 +98,7 @@ def test_an_undone_install_step_installs_again() -> None:
     x, y = batch(6)
     ((net(x) - y) ** 2).mean().backward()
     snap = kfac.snapshot()
-    kfac.precondition_gradients(GradientLayout())  # installs step 4's decompositions
+    kfac.precondition_gradients()  # installs step 4's decompositions
     assert kfac.state.scalars.pending is None
     kfac.restore(snap)
     assert kfac.state.scalars.pending is not None and kfac.state.scalars.pending.install_at == 6

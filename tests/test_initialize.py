@@ -65,7 +65,10 @@ def test_add_config_arguments_mirrors_deepspeed(tmp_path: Path) -> None:
 
 
 REFUSED = {
-    "zero3": ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
+    "zero3 parameter offload": (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+        "ZeRO offload_param",
+    ),
     "offload": (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
         "ZeRO offload_optimizer",

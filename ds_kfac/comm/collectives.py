@@ -22,8 +22,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 STATS: Counter[str] = Counter()
 """Payload bytes per collective kind on this process (``"all_reduce"``, ``"reduce"``; ``"broadcast"``
-counts what this rank sends as source, ``"send"`` what it sends point to point), and call counts
-(``"<kind>_calls"``)."""
+counts what this rank sends as source, ``"send"`` what it sends point to point, ``"all_to_all"`` what it
+sends to other ranks), and call counts (``"<kind>_calls"``)."""
 
 
 def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -122,6 +122,31 @@ def broadcast_(
         work.wait()
         if src != me:
             _unpack(flat, tensors, idx)
+
+
+def all_to_all_(
+    send: Sequence[Sequence[torch.Tensor]],
+    recv: Sequence[Sequence[torch.Tensor]],
+    group: Optional[dist.ProcessGroup],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Send the tensors ``send[r]`` to rank ``r`` of ``group`` and receive ``recv[r]`` from it, in place, in one
+    collective (all of ``dtype``; rank ``r``'s ``send[me]`` matches this rank's ``recv[r]`` in order and sizes).
+    ``"all_to_all"`` counts the bytes this rank sends to the other ranks."""
+    me = data_parallel_rank(group)
+    empty = torch.empty(0, dtype=dtype, device=device)
+    flat = [torch.cat([t.reshape(-1) for t in pieces]) if pieces else empty for pieces in send]
+    sizes = [sum(t.numel() for t in pieces) for pieces in recv]
+    out = torch.empty(sum(sizes), dtype=dtype, device=device)
+    if data_parallel_world(group) == 1:
+        out.copy_(flat[me])
+    else:
+        STATS["all_to_all"] += sum(t.numel() * t.element_size() for r, t in enumerate(flat) if r != me)
+        STATS["all_to_all_calls"] += 1
+        dist.all_to_all_single(out, torch.cat(flat), sizes, [t.numel() for t in flat], group=group)
+    received = [t for pieces in recv for t in pieces]
+    _unpack(out, received, range(len(received)))
 
 
 def send_(

@@ -28,31 +28,16 @@ from typing import Any, Optional
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..comm import all_reduce_sum_
 from ..config import KFACConfig
-from ..placement import Fragment, GradientLayout, workers_per_layer
+from ..placement import GradientLayout
 from ..preconditioner import KFACPreconditioner
+from .layouts import zero_layout
 
 STATE_FILE = "kfac_state.pt"
 """K-FAC's state in a checkpoint: ``<save_dir>/<tag>/kfac_state.pt``, beside DeepSpeed's files."""
-
-
-def _zero_fragment(param: torch.nn.Parameter) -> Optional[Fragment]:
-    """This rank's fragment of ``param``'s reduced gradient under ZeRO 1/2.
-
-    Uses the fragment mapping DeepSpeed attaches to every parameter (the same
-    one behind ``deepspeed.utils.safe_get_full_grad``), without its full-size
-    all-reduce: only the local fragment is read.
-    """
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None:
-        return None
-    grad = mapping.get_lp_grad_fragment(param._index_in_param_group)
-    address = mapping.lp_fragment_address
-    return Fragment(address.start, address.numel, grad.view(-1))
 
 
 class KFACEngine(DeepSpeedEngine):
@@ -65,9 +50,6 @@ class KFACEngine(DeepSpeedEngine):
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        stage = self.zero_optimization_stage()
-        world = self.dp_world_size
-        n = workers_per_layer(kfac_config.grad_worker_fraction, world)
         self.kfac = KFACPreconditioner(
             self.module,
             kfac_config,
@@ -76,36 +58,26 @@ class KFACEngine(DeepSpeedEngine):
             loss_scale=self._loss_scale,
             boundary=self.is_gradient_accumulation_boundary,
             process_group=self.data_parallel_group,
-            gradient_holders=self._gradient_holders() if stage > 0 and n < world else None,
+            layout=self._gradient_layout(),
         )
-        if stage == 0:
-            self._grad_layout = GradientLayout()
-        else:
-            self._grad_layout = GradientLayout(
-                _zero_fragment, group=self.optimizer.dp_process_group, sharded=True, grad_scale=self._loss_scale
-            )
         self._preconditioning_verified = False
 
-    def _gradient_holders(self) -> dict[torch.nn.Parameter, tuple[int, ...]]:
-        """Which data-parallel ranks' ZeRO partitions hold each parameter (one all-reduce, at construction)."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        table = torch.zeros(self.dp_world_size, len(params), dtype=torch.int32, device=self.device)
-        rank = dist.get_rank(self.data_parallel_group)
-        table[rank] = torch.tensor([getattr(p, "_hp_mapping", None) is not None for p in params], dtype=torch.int32)
-        all_reduce_sum_([table], self.data_parallel_group)
-        held = table.cpu().tolist()
-        return {p: tuple(r for r in range(self.dp_world_size) if held[r][i]) for i, p in enumerate(params)}
+    def _gradient_layout(self) -> GradientLayout:
+        """Where this engine's ZeRO stage keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`)."""
+        stage = self.zero_optimization_stage()
+        group = self.optimizer.dp_process_group if stage else self.data_parallel_group
+        return zero_layout(stage, group, self._loss_scale)
 
     def _loss_scale(self) -> float:
-        """The scale the gradients carry: ZeRO 1/2 scale the loss in ``engine.backward`` (fp16)."""
-        return float(self.optimizer.loss_scale) if self.zero_optimization_stage() in (1, 2) else 1.0
+        """The scale the gradients carry: ZeRO 1-3 scale the loss in ``engine.backward`` (fp16)."""
+        return float(self.optimizer.loss_scale) if self.zero_optimization_stage() > 0 else 1.0
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         if not self.is_gradient_accumulation_boundary():
             super().step(lr_kwargs)
             return
         snapshot = self.kfac.snapshot()
-        preconditioned = self.kfac.precondition_gradients(self._grad_layout)
+        preconditioned = self.kfac.precondition_gradients()
         if preconditioned and not self._preconditioning_verified:
             self._verify_preconditioning()
         super().step(lr_kwargs)
@@ -121,7 +93,7 @@ class KFACEngine(DeepSpeedEngine):
     def _verify_preconditioning(self) -> None:
         """Raise if a layer that has a decomposition was preconditioned on no data-parallel rank.
 
-        That is how a renamed DeepSpeed internal would show: :func:`_zero_fragment` finds no
+        That is how a renamed DeepSpeed internal would show: the ZeRO gradient layout finds no
         gradient, and K-FAC silently passes every gradient through. One small all-reduce per
         step until the first step at which some layer has a decomposition (step 0, unless
         decompositions run in the background), checked then, and never again.
@@ -141,7 +113,10 @@ class KFACEngine(DeepSpeedEngine):
         missed = [b.name for b, d, p in zip(blocks, decomposed, preconditioned) if d and not p]
         if missed:
             stage = self.zero_optimization_stage()
-            where = "param._hp_mapping, integration/engine.py::_zero_fragment" if stage else "param.grad"
+            where = {
+                0: "param.grad",
+                3: "deepspeed.utils.safe_get_local_grad, integration/layouts.py::Zero3Gradients",
+            }.get(stage, "param._hp_mapping, integration/layouts.py::Zero12Gradients")
             raise RuntimeError(
                 f"K-FAC layers {missed} have decompositions but no data-parallel rank preconditioned their "
                 f"gradients: ds_kfac found none of their gradient where it reads DeepSpeed's (ZeRO stage {stage}: "

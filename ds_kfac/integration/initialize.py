@@ -43,6 +43,7 @@ from packaging.version import Version
 
 from ..config import KFACConfig, KFACConfigError
 from ..optimizers import build_optimizer
+from ..placement import workers_per_layer
 from .engine import KFACEngine
 
 JSON_OPTIMIZERS = ("lamb", "sgd")
@@ -156,7 +157,9 @@ def _optimizer_from_json(
     return optimizer
 
 
-def _refuse_unsupported(cfg: DeepSpeedConfig, config: dict, model: torch.nn.Module, mpu: Any, mesh_param: Any) -> None:
+def _refuse_unsupported(
+    cfg: DeepSpeedConfig, config: dict, kfac_config: KFACConfig, model: torch.nn.Module, mpu: Any, mesh_param: Any
+) -> None:
     """One error naming every part of the DeepSpeed setup K-FAC does not support yet."""
     stage = cfg.zero_optimization_stage
     offload = [
@@ -169,8 +172,14 @@ def _refuse_unsupported(cfg: DeepSpeedConfig, config: dict, model: torch.nn.Modu
         and str(getattr(section, "device", "none")).lower() not in ("none", "offloaddevicenum.none")
     ]
     problems = []
-    if stage > 2:
-        problems.append(f"zero_optimization.stage={stage} (supported: 0, 1, 2)")
+    if stage == 3:
+        n = workers_per_layer(kfac_config.grad_worker_fraction, ds_comm.get_world_size())
+        if n > 1:
+            problems.append(
+                f"kfac.grad_worker_fraction={kfac_config.grad_worker_fraction!r} ({n} gradient workers per layer) "
+                f"at ZeRO stage 3, where each layer's gradient is gathered to one gradient worker: use "
+                f'"grad_worker_fraction": "mem-opt"'
+            )
     if offload:
         problems.append(f"ZeRO {' and '.join(offload)}")
     if cfg.float16_config.enabled and stage == 0:
@@ -278,7 +287,7 @@ def _initialize_kfac(
     try:
         merge_tp_model_init_into_config(config, mpu, mesh_param, ds_comm)  # deepspeed.tp_model_init's settings
         config_class = DeepSpeedConfig(config, mpu)
-        _refuse_unsupported(config_class, config, model, mpu, mesh_param)
+        _refuse_unsupported(config_class, config, kfac_config, model, mpu, mesh_param)
         if config_class.tensor_parallel_config.autotp_size > 0:
             set_autotp_mode(training=True)
         deepspeed.set_optimizer_flags(config_class, model)  # e.g. Muon's per-parameter flags

@@ -1,6 +1,6 @@
 """Layers: K-FAC's view of each supported module type, and which modules to register."""
 
-from .base import LayerAdapter, UnsupportedLayerError
+from .base import LayerAdapter, UnsupportedLayerError, param_shape
 from .conv2d import Conv2dAdapter
 from .linear import LinearAdapter
 from .registry import SkippedLayer, adapter_for, find_layers, register_adapter
@@ -13,5 +13,6 @@ __all__ = [
     "UnsupportedLayerError",
     "adapter_for",
     "find_layers",
+    "param_shape",
     "register_adapter",
 ]

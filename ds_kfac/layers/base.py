@@ -17,6 +17,12 @@ import torch
 from torch import nn
 
 
+def param_shape(param: nn.Parameter) -> torch.Size:
+    """A parameter's logical shape: ``ds_shape`` under ZeRO stage 3 (``param`` is then an empty
+    placeholder between uses, its ``shape`` that of the placeholder), else ``param.shape``."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 class UnsupportedLayerError(ValueError):
     """A module that matches a registered type but that K-FAC cannot handle exactly."""
 
@@ -64,10 +70,10 @@ class LayerAdapter(ABC):
 
     def matrix_to_grads(self, matrix: torch.Tensor) -> list[torch.Tensor]:
         """Split a ``g_dim x a_dim`` matrix back into tensors shaped like :meth:`params`."""
-        weight = self.module.weight
+        weight = param_shape(self.module.weight)
         if not self.has_bias:
-            return [matrix.reshape(weight.shape)]
-        return [matrix[:, :-1].reshape(weight.shape), matrix[:, -1].reshape(self.module.bias.shape)]
+            return [matrix.reshape(weight)]
+        return [matrix[:, :-1].reshape(weight), matrix[:, -1].reshape(param_shape(self.module.bias))]
 
     def describe(self) -> str:
         return f"{type(self.module).__name__}(A {self.a_dim}x{self.a_dim}, G {self.g_dim}x{self.g_dim})"

@@ -1,7 +1,7 @@
 """Placement: who does which K-FAC work (the plan), carrying it out, and where gradients lie."""
 
 from .distributor import Distributor
-from .gradients import Fragment, GradientLayout, whole_grad
+from .gradients import Fragment, GradientLayout, PartitionedGradients, WholeGradients
 from .plan import LayerPlacement, LayerShape, PlacementPlan, lpt, workers_per_layer
 
 __all__ = [
@@ -10,8 +10,9 @@ __all__ = [
     "GradientLayout",
     "LayerPlacement",
     "LayerShape",
+    "PartitionedGradients",
     "PlacementPlan",
+    "WholeGradients",
     "lpt",
-    "whole_grad",
     "workers_per_layer",
 ]

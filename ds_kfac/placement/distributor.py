@@ -82,6 +82,10 @@ class Distributor:
     def is_grad_worker(self, block: KFACBlock) -> bool:
         return self.plan.is_grad_worker(block.name, self.rank)
 
+    def grad_workers(self, block: KFACBlock) -> tuple[int, ...]:
+        """The data-parallel ranks that precondition the layer."""
+        return self.plan.layers[block.name].grad_workers
+
     def worker(self, name: str, side: str) -> int:
         """The rank that decomposes factor ``side`` ("A" or "G") of layer ``name``."""
         placement = self.plan.layers[name]
@@ -325,10 +329,10 @@ class Distributor:
     def share_preconditioned(
         self, blocks: Sequence[KFACBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Give every rank every layer's result: gradient workers broadcast theirs along rows
-        (in the gradient's dtype). Nothing moves when every rank is a gradient worker, or
-        under ZeRO ownership (each rank only writes the partition it holds)."""
-        if self.plan.replicated or self.plan.owners or self.world == 1:
+        """Give every rank every layer's result when every rank holds every gradient: gradient workers
+        broadcast theirs along rows (in the gradient's dtype). Nothing moves when every rank is a
+        gradient worker. (Under ZeRO nothing is shared: each rank writes the partition it holds.)"""
+        if self.plan.replicated or self.world == 1:
             return [r.to(g.dtype) for r, g in zip(results, grads)]
         row_group = self.groups.of(tuple(self.plan.row_members(self.plan.row(self.rank))))
         tensors, srcs = [], []

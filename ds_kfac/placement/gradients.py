@@ -2,21 +2,36 @@
 
 At the optimizer step every rank holds some *fragments* of the averaged
 gradient: all of ``p.grad`` in plain data parallelism and ZeRO stage 0
-(replicated), or only its own partition under ZeRO stages 1 and 2 (sharded).
-A :class:`GradientLayout` turns those fragments into whole gradient matrices
-for the layers this rank preconditions, and writes the results back into the
-same storage, so the base optimizer (or ZeRO's partitioned step) sees them.
+(replicated), or only its own partition under ZeRO (sharded). A
+:class:`GradientLayout` is the one place that knows which: it is built once,
+when the preconditioner (or the DeepSpeed engine) starts, and alone knows the
+partitions, which ranks hold each layer's gradient and which layers are split
+across ranks. It turns the fragments into whole gradient matrices for the
+layers this rank preconditions, and writes the results back into the same
+storage, so the base optimizer (or ZeRO's partitioned step) sees them.
 
-Sharded layouts precondition a layer where its gradient lies: a layer whose
-parameters all lie in this rank's partition is preconditioned by this rank
-alone, with no communication. Only layers that ZeRO split across ranks are
-assembled, in one bucketed all-reduce of just those layers, and each holder
-writes back its own fragment. The KL-clip sum ``sum(P(g) * g)`` is computed
-over the fragments each rank holds and summed with one scalar all-reduce.
+Implementations, one per setup:
+
+* :class:`WholeGradients`: each parameter's whole ``.grad`` (standalone, DDP,
+  ZeRO stage 0);
+* :class:`PartitionedGradients`: ranks hold disjoint fragments and
+  precondition a layer where its gradient lies (ZeRO 1/2, in
+  :mod:`ds_kfac.integration.layouts`): a layer whose parameters all lie in
+  this rank's partition is preconditioned by this rank alone, with no
+  communication; only layers that ZeRO split across ranks are assembled, in
+  one bucketed all-reduce of just those layers, and each holder writes back
+  its own fragment;
+* ZeRO stage 3 (:mod:`ds_kfac.integration.layouts`): every layer is spread
+  over all ranks; its slices are gathered to its one gradient worker and
+  scattered back.
+
+Sharded layouts compute the KL-clip sum ``sum(P(g) * g)`` so that, summed
+over ranks with one scalar all-reduce, every element counts once.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -24,8 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_reduce_sum_
+from ..comm import all_reduce_sum_, data_parallel_rank, data_parallel_world
 from ..curvature import KFACBlock, blocks_device
+
+Workers = Callable[[KFACBlock], tuple[int, ...]]
+"""The data-parallel ranks that precondition a layer (its gradient workers under the placement plan)."""
 
 
 @dataclass
@@ -51,100 +69,47 @@ class Fragment:
         self.grad.copy_(values.reshape(self.grad.shape))
 
 
-FragmentOf = Callable[[nn.Parameter], Optional[Fragment]]
+Gathered = tuple[list[KFACBlock], list[Optional[torch.Tensor]], list[list[Optional[Fragment]]]]
+"""What :meth:`GradientLayout.gather` returns: blocks, their whole gradient matrices (``None`` where this rank
+does not precondition the block) and this rank's fragments of each."""
 
 
-def whole_grad(param: nn.Parameter) -> Optional[Fragment]:
-    """The replicated case: all of ``param.grad``, as it lies (``None`` if the parameter got no gradient)."""
-    if param.grad is None:
-        return None
-    return Fragment(0, param.numel(), param.grad)
-
-
-class GradientLayout:
+class GradientLayout(ABC):
     """Gather, score and write back the gradient matrices this rank preconditions.
 
     Args:
-        fragment_of: this rank's fragment of a parameter's reduced gradient, or ``None``.
-        group: data-parallel group; only used when ``sharded``.
-        sharded: whether ranks hold disjoint fragments (ZeRO 1/2) rather than copies.
         grad_scale: the factor the stored gradients carry (the fp16 loss scale under ZeRO).
     """
 
-    def __init__(
-        self,
-        fragment_of: FragmentOf = whole_grad,
-        group: Optional[dist.ProcessGroup] = None,
-        sharded: bool = False,
-        grad_scale: Callable[[], float] = lambda: 1.0,
-    ) -> None:
-        self.fragment_of = fragment_of
-        self.group = group
-        self.sharded = sharded
+    sharded: bool = False
+    """Whether ranks hold disjoint fragments rather than copies (the KL-clip sum is then summed over ranks)."""
+
+    def __init__(self, grad_scale: Callable[[], float] = lambda: 1.0) -> None:
         self.grad_scale = grad_scale
-        self._split: Optional[list[bool]] = None
+
+    @abstractmethod
+    def fragment(self, param: nn.Parameter) -> Optional[Fragment]:
+        """This rank's fragment of ``param``'s reduced gradient, or ``None``."""
+
+    @abstractmethod
+    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+        """The blocks whose gradient this rank holds, their whole gradient matrices where it preconditions them,
+        and its fragments. ``workers`` gives each layer's gradient workers (collective where fragments move)."""
+
+    def block_holders(self, blocks: Sequence[KFACBlock]) -> Optional[dict[str, tuple[int, ...]]]:
+        """The ranks whose partitions hold each layer's gradient, which then are its gradient workers when
+        fewer than all ranks are (``None``: the placement plan chooses them freely)."""
+        return None
 
     def has_gradients(self, blocks: Sequence[KFACBlock]) -> bool:
         """Whether this rank holds a gradient for any of the blocks' parameters (no communication)."""
-        return any(self.fragment_of(p) is not None for b in blocks for p in b.adapter.params())
-
-    def split_blocks(self, blocks: Sequence[KFACBlock]) -> list[bool]:
-        """Per block, whether no single rank holds all of its gradient (agreed on by all ranks, computed once)."""
-        if self._split is None:
-            whole_here = [self._whole_here(b) for b in blocks]
-            if self.sharded:
-                holders = torch.tensor(whole_here, dtype=torch.int32, device=blocks_device(blocks))
-                all_reduce_sum_([holders], self.group)
-                whole_here = [int(h) > 0 for h in holders.tolist()]
-            self._split = [not w for w in whole_here]
-        return self._split
+        return any(self.fragment(p) is not None for b in blocks for p in b.adapter.params())
 
     def _whole_here(self, block: KFACBlock, frags: Optional[Sequence[Optional[Fragment]]] = None) -> bool:
         """Whether this rank's fragments cover all of the layer's gradient."""
         params = block.adapter.params()
-        frags = [self.fragment_of(p) for p in params] if frags is None else frags
+        frags = [self.fragment(p) for p in params] if frags is None else frags
         return all(f is not None and f.covers(p) for f, p in zip(frags, params))
-
-    def gather(
-        self, blocks: Sequence[KFACBlock]
-    ) -> tuple[list[KFACBlock], list[torch.Tensor], list[list[Optional[Fragment]]]]:
-        """The blocks this rank preconditions, their whole gradient matrices and this rank's fragments."""
-        split = self.split_blocks(blocks) if self.sharded else [False] * len(blocks)
-        frags = [[self.fragment_of(p) for p in b.adapter.params()] for b in blocks]
-        assembled = self._assemble([b for b, s in zip(blocks, split) if s], [f for f, s in zip(frags, split) if s])
-        chosen, matrices, fragments = [], [], []
-        for block, block_frags, is_split in zip(blocks, frags, split):
-            if is_split:
-                if all(f is None for f in block_frags):
-                    continue
-                grads = assembled[block.name]
-            else:
-                if not self._whole_here(block, block_frags):
-                    continue
-                grads = [f.grad.reshape(p.shape) for f, p in zip(block_frags, block.adapter.params())]
-            chosen.append(block)
-            matrices.append(block.adapter.grad_to_matrix(grads))
-            fragments.append(block_frags)
-        return chosen, matrices, fragments
-
-    def _assemble(
-        self, blocks: Sequence[KFACBlock], frags: Sequence[Sequence[Optional[Fragment]]]
-    ) -> dict[str, list[torch.Tensor]]:
-        """Whole fp32 gradients of split blocks: each rank adds its fragments into zeros, then one all-reduce."""
-        if not blocks:
-            return {}
-        buffers = [
-            [torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in b.adapter.params()] for b in blocks
-        ]
-        for block_bufs, block_frags in zip(buffers, frags):
-            for buf, f in zip(block_bufs, block_frags):
-                if f is not None:
-                    buf[f.start : f.start + f.numel] = f.flat()
-        all_reduce_sum_([buf for block_bufs in buffers for buf in block_bufs], self.group)
-        return {
-            b.name: [buf.view_as(p) for buf, p in zip(block_bufs, b.adapter.params())]
-            for b, block_bufs in zip(blocks, buffers)
-        }
 
     def dot(
         self,
@@ -178,3 +143,110 @@ class GradientLayout:
             for new, f in zip(block.adapter.matrix_to_grads(m), block_frags):
                 if f is not None:
                     f.store(new.reshape(-1)[f.start : f.start + f.numel])
+
+
+class WholeGradients(GradientLayout):
+    """The replicated case: every rank holds each parameter's whole ``.grad`` (plain PyTorch, DDP, ZeRO 0)."""
+
+    def fragment(self, param: nn.Parameter) -> Optional[Fragment]:
+        """All of ``param.grad``, as it lies (``None`` if the parameter got no gradient)."""
+        if param.grad is None:
+            return None
+        return Fragment(0, param.numel(), param.grad)
+
+    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+        chosen, matrices, fragments = [], [], []
+        for block in blocks:
+            frags = [self.fragment(p) for p in block.adapter.params()]
+            if not self._whole_here(block, frags):
+                continue
+            chosen.append(block)
+            matrices.append(block.adapter.grad_to_matrix([f.grad for f in frags]))
+            fragments.append(frags)
+        return chosen, matrices, fragments
+
+
+class PartitionedGradients(GradientLayout):
+    """Disjoint fragments (ZeRO 1/2): each rank preconditions the layers its partition holds.
+
+    Subclasses say where a parameter's fragment lies (:meth:`fragment`) and, before any backward,
+    whether this rank's partition holds any of it (:meth:`holds`). From that, one all-reduce at
+    construction of the preconditioner gives every layer's holders and which layers are split.
+
+    Args:
+        group: the data-parallel group the partitions are spread over.
+        grad_scale: the factor the stored gradients carry (the fp16 loss scale under ZeRO).
+    """
+
+    sharded = True
+
+    def __init__(self, group: Optional[dist.ProcessGroup], grad_scale: Callable[[], float]) -> None:
+        super().__init__(grad_scale)
+        self.group = group
+        self.holders: Optional[dict[str, tuple[int, ...]]] = None
+        """Which ranks' partitions hold each layer's gradient (set by :meth:`block_holders`)."""
+        self.split: Optional[list[bool]] = None
+        """Per block, whether no single rank holds all of its gradient (set by :meth:`block_holders`)."""
+
+    @abstractmethod
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether this rank's partition holds any of ``param``'s gradient (known before any backward)."""
+
+    def block_holders(self, blocks: Sequence[KFACBlock]) -> dict[str, tuple[int, ...]]:
+        """One all-reduce of a rank x parameter table, computed once. A layer is split when no rank is
+        its only holder of every parameter (the partitions cover each gradient exactly once)."""
+        if self.holders is None:
+            params = [p for b in blocks for p in b.adapter.params()]
+            world = data_parallel_world(self.group)
+            table = torch.zeros(world, len(params), dtype=torch.int32, device=blocks_device(blocks))
+            table[data_parallel_rank(self.group)] = torch.tensor([self.holds(p) for p in params], dtype=torch.int32)
+            all_reduce_sum_([table], self.group)
+            held = table.t().tolist()
+            of_param = [tuple(r for r in range(world) if row[r]) for row in held]
+            self.holders, self.split, i = {}, [], 0
+            for b in blocks:
+                mine = of_param[i : i + len(b.adapter.params())]
+                i += len(mine)
+                self.holders[b.name] = tuple(sorted({r for ranks in mine for r in ranks}))
+                self.split.append(len(set(mine)) != 1 or len(mine[0]) != 1)
+        return self.holders
+
+    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+        self.block_holders(blocks)
+        frags = [[self.fragment(p) for p in b.adapter.params()] for b in blocks]
+        assembled = self._assemble(
+            [b for b, s in zip(blocks, self.split) if s], [f for f, s in zip(frags, self.split) if s]
+        )
+        chosen, matrices, fragments = [], [], []
+        for block, block_frags, is_split in zip(blocks, frags, self.split):
+            if is_split:
+                if all(f is None for f in block_frags):
+                    continue
+                grads = assembled[block.name]
+            else:
+                if not self._whole_here(block, block_frags):
+                    continue
+                grads = [f.grad.reshape(p.shape) for f, p in zip(block_frags, block.adapter.params())]
+            chosen.append(block)
+            matrices.append(block.adapter.grad_to_matrix(grads))
+            fragments.append(block_frags)
+        return chosen, matrices, fragments
+
+    def _assemble(
+        self, blocks: Sequence[KFACBlock], frags: Sequence[Sequence[Optional[Fragment]]]
+    ) -> dict[str, list[torch.Tensor]]:
+        """Whole fp32 gradients of split blocks: each rank adds its fragments into zeros, then one all-reduce."""
+        if not blocks:
+            return {}
+        buffers = [
+            [torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in b.adapter.params()] for b in blocks
+        ]
+        for block_bufs, block_frags in zip(buffers, frags):
+            for buf, f in zip(block_bufs, block_frags):
+                if f is not None:
+                    buf[f.start : f.start + f.numel] = f.flat()
+        all_reduce_sum_([buf for block_bufs in buffers for buf in block_bufs], self.group)
+        return {
+            b.name: [buf.view_as(p) for buf, p in zip(block_bufs, b.adapter.params())]
+            for b, block_bufs in zip(blocks, buffers)
+        }

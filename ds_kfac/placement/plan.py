@@ -17,9 +17,10 @@ communication), and never changes. It follows KAISA's layout:
   except with ``compute_method="inverse"`` (whose damping couples them) and
   ``factor_reduction="local"`` (one owner computes both), where they share one.
 * Under ZeRO 1/2 with ``n < world`` the gradient already lies partitioned, so
-  columns follow ownership instead of LPT: a layer's gradient workers are the
-  column(s) of the rank(s) whose partition holds its gradient, and nothing
-  travels along rows (each holder writes its own partition).
+  columns follow ownership (the gradient layout's holders) instead of LPT: a
+  layer's gradient workers are the column(s) of the rank(s) whose partition
+  holds its gradient, and nothing travels along rows (each holder writes its
+  own partition).
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ class PlacementPlan:
         holders: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         self.world = world
-        self.owners = holders is not None
         self.n = workers_per_layer(grad_worker_fraction, world)
+        self.owners = holders is not None and self.n < world
+        """Whether gradient workers follow ZeRO ownership (``holders`` given and fewer workers than ranks)."""
         self.columns = world // self.n
-        if holders is not None:
+        if self.owners:
             self._place_on_holders(layers, holders, assignment, colocate)
             return
         power = 3 if assignment == "compute" else 2

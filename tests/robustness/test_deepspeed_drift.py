@@ -24,8 +24,8 @@ from packaging.requirements import Requirement
 from workers import problem
 
 import ds_kfac
-from ds_kfac.integration import engine as engine_module
 from ds_kfac.integration import initialize as initialize_module
+from ds_kfac.integration.layouts import Zero12Gradients
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,7 +183,7 @@ def test_renamed_zero_internal_raises_naming_the_layers(one_rank: list[Any], mon
     engine = _zero2_engine(one_rank)
     _train_step(engine)
     assert engine.kfac.preconditioned == ("0", "2", "4")
-    monkeypatch.setattr(engine_module, "_zero_fragment", lambda param: None)
+    monkeypatch.setattr(Zero12Gradients, "fragment", lambda self, param: None)
     engine = _zero2_engine(one_rank)
     before = [p.detach().clone() for p in engine.module.parameters()]
     with pytest.raises(RuntimeError, match=r"K-FAC layers \['0', '2', '4'\] have decompositions") as error:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ds_kfac import KFACPreconditioner
-from ds_kfac.placement import GradientLayout
 from ds_kfac.state import Scalars
 
 SAVED = {"steps", "counters", "pending", "seen"}  # seen is saved as the layers whose A is present
@@ -41,7 +40,7 @@ def _run(skip_at: set[int], steps: int = 6) -> KFACPreconditioner:
             model.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
             snap = kfac.snapshot()
-            assert kfac.precondition_gradients(GradientLayout())
+            assert kfac.precondition_gradients()
             if attempt < attempts - 1:
                 kfac.restore(snap)
             else:

@@ -7,7 +7,10 @@ Scenario keys: ``ds`` (DeepSpeed config overrides), ``kfac`` (the section),
 scaler), ``nan_step`` (a NaN loss in that step), ``skip_steps`` (data steps
 left out), ``save`` / ``load`` (checkpoint dir, step to save after),
 ``expect_error`` (record the exception's message instead of failing), ``freeze`` (names of parameters
-set to ``requires_grad=False`` before ``initialize``).
+set to ``requires_grad=False`` before ``initialize``), ``zero_init`` (build the model under
+``deepspeed.zero.Init``), ``load_consolidated`` (a checkpoint dir saved with tag ``ckpt`` at any world size: the
+weights through DeepSpeed's ``zero_to_fp32``, K-FAC's state from its file). Parameters are read whole at every
+ZeRO stage (gathered under stage 3).
 After the scenarios, ``ds_kfac.shutdown()`` ends the job; ``<out>/exit_rank<r>.json`` records what it left
 (whether this rank's DeepSpeed shared-memory segment existed before and after, and ``dist.is_initialized()``).
 """
@@ -24,6 +27,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import problem  # noqa: E402
@@ -31,6 +35,7 @@ import problem  # noqa: E402
 import ds_kfac  # noqa: E402
 from ds_kfac.comm import STATS  # noqa: E402
 from ds_kfac.integration.cleanup import shm_segment  # noqa: E402
+from ds_kfac.integration.engine import STATE_FILE  # noqa: E402
 
 
 def config(scenario: dict, world: int) -> dict:
@@ -60,10 +65,14 @@ def run(scenario: dict) -> dict:
 
 def train(scenario: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = problem.make_model()
+    cfg = config(scenario, world)
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=scenario.get("zero_init", False)):
+        model = problem.make_model()
     for name, param in model.named_parameters():
         param.requires_grad_(name not in scenario.get("freeze", ()))
-    cfg = config(scenario, world)
+    consolidated = scenario.get("load_consolidated")
+    if consolidated:
+        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(consolidated, tag="ckpt"))
     engine, *_ = ds_kfac.initialize(model=model, model_parameters=problem.param_groups(model), config=cfg)
     if "loss_scale" in scenario:
         engine.optimizer.loss_scaler.cur_scale = float(scenario["loss_scale"])
@@ -74,6 +83,9 @@ def train(scenario: dict) -> dict:
     if "load" in scenario:
         engine.load_checkpoint(scenario["load"])
         start = kfac.steps if kfac else engine.global_steps
+    if consolidated:
+        kfac.load_state_dict(torch.load(Path(consolidated) / "ckpt" / STATE_FILE, weights_only=True))
+        start = kfac.steps
     comm = []
     for step in range(start, scenario["steps"]):
         if step in scenario.get("skip_steps", []):
@@ -87,22 +99,26 @@ def train(scenario: dict) -> dict:
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-        comm.append({k: STATS[k] - before.get(k, 0) for k in ("all_reduce", "reduce", "broadcast")})
+        comm.append({k: STATS[k] - before.get(k, 0) for k in ("all_reduce", "reduce", "broadcast", "all_to_all")})
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
-    holders = engine._gradient_holders() if kfac else {}
+    layout = kfac.layout if kfac else None
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        whole = [p.detach().float().cpu().clone() for p in params]
     return {
-        "params": [p.detach().float().cpu() for p in engine.module.parameters()],
+        "params": whole,
+        "layers": [(b.name, b.adapter.a_dim, b.adapter.g_dim) for b in kfac.blocks] if kfac else None,
+        "kfac_steps": kfac.steps if kfac else None,
+        "micro_steps": engine.micro_steps,
         "plan": {n: (p.a_worker, p.g_worker, p.grad_workers) for n, p in kfac.distributor.plan.layers.items()}
         if kfac
         else None,
-        "holders": {b.name: sorted({r for p in b.adapter.params() for r in holders[p]}) for b in kfac.blocks}
-        if kfac
-        else None,
+        "holders": layout.block_holders(kfac.blocks) if kfac else None,
         "kfac": kfac.state_dict() if kfac else None,
         "comm": comm,
         "overlapped": kfac.distributor.factor_buckets.overlapped if kfac and kfac.distributor.factor_buckets else 0,
-        "split": engine._grad_layout._split if kfac else None,
+        "split": getattr(layout, "split", None),
         "skipped_steps": engine.skipped_steps,
         "engine": type(engine).__name__,
         "optimizer": type(engine.basic_optimizer).__name__,
