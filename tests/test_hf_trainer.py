@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(420)
 STEPS, SAVE = 4, 2
 STAGE = {1: 0, 2: 2}  # ZeRO stage of each world size's launch
 MICRO, GA, CLIP, LR = 2, 2, 1.0, 0.05  # as in workers/hf_worker.py
+BF16_WORLDS = {2}  # bf16 (Trainer's bf16=True, "bf16": {"enabled": "auto"}) in the 2-rank launch only
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
@@ -35,6 +36,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "resumed": {"run": "trainer", "resume": SAVE, **common},
         "direct": {"run": "direct", **common},
     }
+    if world in BF16_WORLDS:
+        scenarios["bf16_trainer"] = {"run": "trainer", "bf16": True, **common}
+        scenarios["bf16_direct"] = {"run": "direct", "bf16": True, **common}
     results = launch.deepspeed_run(world, out, list(scenarios.values()), worker=launch.WORKERS / "hf_worker.py")
     return world, dict(zip(scenarios, results))
 
@@ -55,6 +59,8 @@ def test_kfac_steps_equal_trainer_global_steps(runs: tuple[int, dict]) -> None:
             "gradient_clipping": CLIP,
             "lr": LR,
             "kfac_in_deepspeed_config": False,
+            "bf16": False,
+            "dtype": "torch.float32",
         }
 
 
@@ -68,6 +74,20 @@ def test_parameters_equal_direct_initialize(runs: tuple[int, dict]) -> None:
             assert torch.equal(got, want)
     for rank in results["trainer"][1:]:
         for got, want in zip(rank["params"], results["trainer"][0]["params"]):
+            assert torch.equal(got, want)
+
+
+def test_bf16_parameters_equal_direct_initialize(runs: tuple[int, dict]) -> None:
+    """Trainer's ``bf16=True`` fills ``"bf16": {"enabled": "auto"}`` and casts the float inputs to bf16: the same
+    bf16 engine as ``ds_kfac.initialize`` with ``"enabled": true`` on bf16 inputs, bitwise, one K-FAC step per
+    optimizer step."""
+    world, results = runs
+    if world not in BF16_WORLDS:
+        pytest.skip("bf16 runs in the 2-rank launch only")
+    for trainer, direct in zip(results["bf16_trainer"], results["bf16_direct"]):
+        assert trainer["filled"]["bf16"] and trainer["filled"]["dtype"] == "torch.bfloat16"
+        assert trainer["kfac_steps"] == trainer["global_step"] == direct["kfac_steps"] == STEPS
+        for got, want in zip(trainer["params"], direct["params"]):
             assert torch.equal(got, want)
 
 

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank and micro-batch")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 on GPUs (transformers refuses it on CPU)")
     parser.add_argument("--resume-from-checkpoint", help="a Trainer checkpoint directory (checkpoint-<step>)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args(argv)

@@ -4,7 +4,8 @@ Runs the scenarios of a JSON spec under the deepspeed launcher, each saving per-
 ``<out>/<index>_rank<r>.pt``. Scenario keys: ``run`` (``"trainer"``: KFACTrainer for ``steps`` optimizer steps,
 saving a Trainer checkpoint every ``save_steps``; ``"resume"``: KFACTrainer resumed from the checkpoint
 ``checkpoint-<resume>`` of the ``"trainer"`` run; ``"direct"``: the engine of ``ds_kfac.initialize`` driven by
-hand on the same data), ``stage`` (ZeRO), ``dir`` (the trainer run's output directory).
+hand on the same data), ``stage`` (ZeRO), ``bf16`` (Trainer's ``bf16=True`` with ``"bf16": {"enabled": "auto"}``), ``dir`` (the trainer
+run's output directory; ``resume`` and ``bf16`` runs write to directories of their own).
 
 The Trainer runs read the DeepSpeed config with ``"auto"`` values; the direct run gets them written out
 (:func:`direct_config`). Trainer's data order is sequential (``train_sampling_strategy="sequential"``), and
@@ -60,6 +61,7 @@ def rows(step: int, micro_step: int, world: int, rank: int) -> slice:
 
 def trainer_config(stage: int) -> dict:
     return {
+        "bf16": {"enabled": "auto"},
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
@@ -70,10 +72,11 @@ def trainer_config(stage: int) -> dict:
     }
 
 
-def direct_config(stage: int, world: int) -> dict:
+def direct_config(stage: int, world: int, bf16: bool) -> dict:
     """:func:`trainer_config` with the values Trainer puts in place of ``"auto"``."""
     return {
         **trainer_config(stage),
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GA,
         "train_batch_size": MICRO * GA * world,
@@ -87,8 +90,12 @@ def run_trainer(scenario: dict, world: int) -> dict:
 
     from ds_kfac.hf import KFACTrainer
 
-    resume = scenario.get("resume")
-    out_dir = Path(scenario["dir"]) / ("resumed" if resume else "trainer")
+    resume, bf16 = scenario.get("resume"), scenario.get("bf16", False)
+    out_dir = Path(scenario["dir"]) / ("resumed" if resume else "bf16" if bf16 else "trainer")
+    if bf16:
+        # transformers refuses bf16 on a CPU-only machine unless use_cpu=True, which turns DeepSpeed off in
+        # accelerate: let it believe the device has bf16 (DeepSpeed's CPU engine has).
+        monkeypatch_bf16_check()
     args = TrainingArguments(
         output_dir=str(out_dir),
         deepspeed=trainer_config(scenario["stage"]),
@@ -97,6 +104,7 @@ def run_trainer(scenario: dict, world: int) -> dict:
         gradient_accumulation_steps=GA,
         learning_rate=LR,
         max_grad_norm=CLIP,
+        bf16=bf16,
         lr_scheduler_type="constant",
         train_sampling_strategy="sequential",
         save_strategy="steps",
@@ -111,7 +119,7 @@ def run_trainer(scenario: dict, world: int) -> dict:
     trainer.train(resume_from_checkpoint=checkpoint)
     engine = trainer.model_wrapped
     return {
-        "params": [p.detach().cpu().clone() for p in trainer.model.parameters()],
+        "params": [p.detach().float().cpu().clone() for p in trainer.model.parameters()],
         "global_step": trainer.state.global_step,
         "kfac_steps": trainer.kfac.steps,
         "engine": type(engine).__name__,
@@ -121,6 +129,8 @@ def run_trainer(scenario: dict, world: int) -> dict:
             "gradient_clipping": engine.gradient_clipping(),
             "lr": engine.get_lr()[0],
             "kfac_in_deepspeed_config": "kfac" in engine._config._param_dict,
+            "bf16": engine.bfloat16_enabled(),
+            "dtype": str(next(engine.module.parameters()).dtype),
         },
         "logs": [
             {k: v for k, v in log.items() if k == "step" or k.startswith("kfac/")}
@@ -131,22 +141,28 @@ def run_trainer(scenario: dict, world: int) -> dict:
     }
 
 
+def monkeypatch_bf16_check() -> None:
+    import transformers.training_args
+
+    transformers.training_args.is_torch_bf16_gpu_available = lambda: True
+
+
 def run_direct(scenario: dict, world: int) -> dict:
-    rank = dist.get_rank()
+    rank, bf16 = dist.get_rank(), scenario.get("bf16", False)
     model = Regression()
-    engine, *_ = ds_kfac.initialize(
-        model=model, model_parameters=model.parameters(), config=direct_config(scenario["stage"], world)
-    )
+    config = direct_config(scenario["stage"], world, bf16)
+    engine, *_ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dtype = torch.bfloat16 if bf16 else torch.float32  # Trainer casts float inputs to DeepSpeed's dtype
     data = dataset(scenario["steps"], world)
     for step in range(scenario["steps"]):
         for m in range(GA):
             batch = data[rows(step, m, world, rank)]
-            x = torch.stack([d["x"] for d in batch])
-            y = torch.stack([d["labels"] for d in batch])
+            x = torch.stack([d["x"] for d in batch]).to(dtype)
+            y = torch.stack([d["labels"] for d in batch]).to(dtype)
             engine.backward(engine(x, y)["loss"])
             engine.step()
     return {
-        "params": [p.detach().cpu().clone() for p in model.parameters()],
+        "params": [p.detach().float().cpu().clone() for p in model.parameters()],
         "global_step": engine.global_steps,
         "kfac_steps": engine.kfac.steps,
     }
