@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any, Iterator
 
 import deepspeed
 import launch
 import pytest
 import torch
+from torch import nn
 
+import ds_kfac
 from ds_kfac.integration import substitute
 
 pytestmark = pytest.mark.timeout(420)
@@ -133,3 +137,34 @@ def test_import_ds_kfac_imports_neither_transformers_nor_accelerate() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"  # after DeepSpeed's log lines
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The launcher's environment for one rank in this process; the process group is shut down afterwards."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in {**env, "MASTER_PORT": str(launch.free_port())}.items():
+        monkeypatch.setenv(key, value)
+    yield
+    ds_kfac.shutdown()
+
+
+def test_kfac_trainer_refuses_a_setup_without_kfac(one_rank: None, tmp_path: Path) -> None:
+    """Without ``deepspeed=`` a ``ValueError`` (K-FAC runs inside DeepSpeed's engine); a DeepSpeed config without a
+    ``"kfac"`` section warns that K-FAC is off; a bad section fails at construction, naming the key."""
+    from transformers import TrainingArguments
+
+    from ds_kfac.hf import KFACTrainer
+
+    def trainer(**args: Any) -> KFACTrainer:
+        return KFACTrainer(
+            model=nn.Linear(2, 1), args=TrainingArguments(output_dir=str(tmp_path), report_to=[], **args)
+        )
+
+    with pytest.raises(ValueError, match="KFACTrainer runs K-FAC inside DeepSpeed"):
+        trainer()
+    plain = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 0}}
+    with pytest.warns(UserWarning, match="no 'kfac' section, so K-FAC is off"):
+        trainer(deepspeed=plain)
+    with pytest.raises(ds_kfac.KFACConfigError, match="kfac.damping"):
+        trainer(deepspeed={**plain, "kfac": {"damping": "auto"}})

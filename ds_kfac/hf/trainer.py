@@ -18,6 +18,7 @@ Each training log gains K-FAC's metrics (:meth:`ds_kfac.KFACPreconditioner.metri
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -47,7 +48,14 @@ class KFACTrainer(Trainer):
                 "KFACTrainer runs K-FAC inside DeepSpeed: pass TrainingArguments(deepspeed=<config with a 'kfac' "
                 "section>), or use transformers.Trainer without K-FAC"
             )
-        KFACConfig.parse(self.accelerator.state.deepspeed_plugin.deepspeed_config.get("kfac"))  # fail early
+        section = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("kfac")
+        if section is None:
+            warnings.warn(
+                "KFACTrainer: the DeepSpeed config has no 'kfac' section, so K-FAC is off (plain DeepSpeed)",
+                UserWarning,
+                stacklevel=3,
+            )
+        KFACConfig.parse(section)  # a bad section fails here, before anything is trained
         self.accelerator.prepare = _preparing_with_kfac(self.accelerator.prepare)
 
     @property
