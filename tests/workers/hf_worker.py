@@ -2,10 +2,10 @@
 
 Runs the scenarios of a JSON spec under the deepspeed launcher, each saving per-rank results to
 ``<out>/<index>_rank<r>.pt``. Scenario keys: ``run`` (``"trainer"``: KFACTrainer for ``steps`` optimizer steps,
-saving a Trainer checkpoint every ``save_steps``; ``"resume"``: KFACTrainer resumed from the checkpoint
-``checkpoint-<resume>`` of the ``"trainer"`` run; ``"direct"``: the engine of ``ds_kfac.initialize`` driven by
-hand on the same data), ``stage`` (ZeRO), ``bf16`` (Trainer's ``bf16=True`` with ``"bf16": {"enabled": "auto"}``), ``dir`` (the trainer
-run's output directory; ``resume`` and ``bf16`` runs write to directories of their own).
+saving a Trainer checkpoint every ``save_steps``; ``"direct"``: the engine of ``ds_kfac.initialize`` driven by
+hand on the same data), ``resume`` (a step: the Trainer resumes from that checkpoint of the plain ``"trainer"``
+run), ``stage`` (ZeRO), ``bf16`` (Trainer's ``bf16=True`` with ``"bf16": {"enabled": "auto"}``; bf16 inputs for
+``"direct"``), ``dir`` (where the Trainer runs write, each in a directory of its own).
 
 The Trainer runs read the DeepSpeed config with ``"auto"`` values; the direct run gets them written out
 (:func:`direct_config`). Trainer's data order is sequential (``train_sampling_strategy="sequential"``), and
