@@ -17,5 +17,9 @@ setup(
     # ds_kfac reads DeepSpeed internals (docs/maintainers.md), verified on this version only:
     # the same range as ds_kfac.integration.initialize.VERIFIED_DEEPSPEED, which warns outside it.
     install_requires=["torch>=2.1", "pydantic>=2"],
-    extras_require={"deepspeed": ["deepspeed==0.19.8"]},
+    # "hf": ds_kfac.hf.KFACTrainer (Hugging Face Trainer), verified on these versions (docs/maintainers.md).
+    extras_require={
+        "deepspeed": ["deepspeed==0.19.8"],
+        "hf": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0"],
+    },
 )

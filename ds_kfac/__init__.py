@@ -3,6 +3,8 @@
 * :func:`initialize` (DeepSpeed): ``deepspeed.initialize`` plus the ``"kfac"`` config section.
 * :class:`KFACPreconditioner` (plain PyTorch / DDP): ``kfac.step()`` between backward and ``optimizer.step()``.
 * :func:`shutdown` (both): the last call of a training script, on every rank.
+* :class:`ds_kfac.hf.KFACTrainer` (Hugging Face ``Trainer`` with DeepSpeed): imports transformers and accelerate,
+  which ``import ds_kfac`` does not.
 
 The conventions are in docs/conventions.md, the config keys in docs/config.md.
 """

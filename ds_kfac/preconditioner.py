@@ -397,6 +397,20 @@ class KFACPreconditioner:
             usage["refresh_references"] = sum(t.numel() * t.element_size() for t in references)
         return usage
 
+    def metrics(self) -> dict[str, float]:
+        """K-FAC's scalars by name, for a training log: ``kfac/steps``, ``kfac/nu`` (with ``kl_clip``),
+        ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`) and, with
+        adaptive refresh, ``kfac/interval/<layer>.<A/G>``. DeepSpeed's monitor and ``ds_kfac.hf.KFACTrainer``
+        both write these."""
+        metrics = {"kfac/steps": float(self.steps)}
+        if self.last_nu is not None:
+            metrics["kfac/nu"] = float(self.last_nu)
+        metrics.update({f"kfac/seconds/{phase}": float(t) for phase, t in self.timings.items()})
+        metrics.update({f"kfac/count/{name}": float(n) for name, n in self.counters.items()})
+        if self.refresh is not None:
+            metrics.update({f"kfac/interval/{key}": float(n) for key, n in self.refresh.intervals().items()})
+        return metrics
+
     @property
     def layer_names(self) -> list[str]:
         return [b.name for b in self.blocks]

@@ -111,6 +111,8 @@ def test_setups_and_checkpoints_through_real_engines(tmp_path: Path) -> None:
     assert nu_rows[0] == "step,nu" and len(nu_rows) == 3
     assert all(0.0 < float(row.split(",")[1]) <= 1.0 for row in nu_rows[1:])
     assert monitored["kfac"]["steps"] == 2
+    steps = (tmp_path / "csv" / "job" / "kfac_steps.csv").read_text().splitlines()
+    assert steps == ["step,steps", "4,1.0", "8,2.0"]  # K-FAC's step count after each step
     intervals = (tmp_path / "csv" / "job" / "kfac_interval_0.A.csv").read_text().splitlines()
     assert intervals == ["step,0.A", "4,1.0", "8,1.0"]  # DeepSpeed logs at global_samples (4 per step)
     assert "has no K-FAC state" in no_state["error"] and "load_optimizer_states=False" in no_state["error"]

@@ -127,14 +127,8 @@ class KFACEngine(DeepSpeedEngine):
     def _write_monitor_events(self) -> None:
         if not self.monitor.enabled:
             return
-        kfac, step = self.kfac, self.global_samples
-        events = [(f"kfac/seconds/{phase}", float(t), step) for phase, t in kfac.timings.items()]
-        events += [(f"kfac/count/{name}", float(n), step) for name, n in kfac.counters.items()]
-        if kfac.last_nu is not None:
-            events.append(("kfac/nu", float(kfac.last_nu), step))
-        if kfac.refresh is not None:
-            events += [(f"kfac/interval/{key}", float(n), step) for key, n in kfac.refresh.intervals().items()]
-        self.monitor.write_events(events)
+        step = self.global_samples
+        self.monitor.write_events([(name, value, step) for name, value in self.kfac.metrics().items()])
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(
