@@ -38,21 +38,22 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "kfac": {"easgd": {"rho": 0.5}, "kfac": KFAC},
     "bf16": {"easgd": {"rho": 0.5}, "ds": {"bf16": {"enabled": True}}},
 }
-RESUMED = "momentum_period2_no_overlap"
-"""Saved after step 3 (a step without elastic update, with step 4's all-reduce not yet started), resumed below."""
+RESUMED = ("momentum_period2_no_overlap", "kfac")
+"""Saved after step 3 (with period 2 a step without elastic update, whose successor's all-reduce has not started
+yet), and resumed from there as ``<name>_resumed``."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """One launch: every scenario, then the saved one resumed from its checkpoint."""
+    """One launch: every scenario, then the saved ones resumed from their checkpoints."""
     out = tmp_path_factory.mktemp("easgd")
-    scenarios = [{**s, "steps": STEPS, "micro": MICRO} for s in copy.deepcopy(list(SCENARIOS.values()))]
-    names = list(SCENARIOS)
-    scenarios[names.index(RESUMED)]["save"] = {"dir": str(out / "ckpt"), "at": 3}
-    scenarios.append({**scenarios[names.index(RESUMED)], "load": str(out / "ckpt")})
-    del scenarios[-1]["save"]
-    results = launch.deepspeed_run(WORLD, out, scenarios, worker=launch.WORKERS / "easgd_worker.py", timeout=240)
-    return dict(zip([*names, "resumed"], results))
+    scenarios = {name: {**s, "steps": STEPS, "micro": MICRO} for name, s in copy.deepcopy(SCENARIOS).items()}
+    for name in RESUMED:
+        scenarios[f"{name}_resumed"] = {**scenarios[name], "load": str(out / name)}
+        scenarios[name]["save"] = {"dir": str(out / name), "at": 3}
+    worker = launch.WORKERS / "easgd_worker.py"
+    results = launch.deepspeed_run(WORLD, out, list(scenarios.values()), worker=worker, timeout=240)
+    return dict(zip(scenarios, results))
 
 
 def local_batches(step: int, rank: int, ga: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -146,8 +147,9 @@ def test_identical_runs_and_overlap_on_off_are_bitwise_identical(runs: dict[str,
     assert_bitwise(runs["momentum_period2"], runs["momentum_period2_no_overlap"])
 
 
-def test_resume_is_bitwise(runs: dict[str, list[dict]]) -> None:
-    assert_bitwise(runs[RESUMED], runs["resumed"])
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_is_bitwise(runs: dict[str, list[dict]], name: str) -> None:
+    assert_bitwise(runs[name], runs[f"{name}_resumed"])
 
 
 def test_bytes_one_packed_all_reduce_per_period(runs: dict[str, list[dict]]) -> None:
