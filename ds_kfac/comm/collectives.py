@@ -22,8 +22,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 STATS: Counter[str] = Counter()
 """Payload bytes per collective kind on this process (``"all_reduce"``, ``"reduce"``; ``"broadcast"``
-counts what this rank sends as source, ``"send"`` what it sends point to point), and call counts
-(``"<kind>_calls"``)."""
+counts what this rank sends as source, ``"send"`` what it sends point to point; ``"easgd_all_reduce"`` the
+EASGD weights' all-reduce, :mod:`ds_kfac.easgd`), and call counts (``"<kind>_calls"``)."""
 
 
 def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:

@@ -69,9 +69,9 @@ class ElasticAverager:
     def _launch(self) -> None:
         """Start summing the packed weights over the ranks."""
         self._sum = self._pack()
-        STATS["easgd_all_reduce"] += self._sum.numel() * self._sum.element_size()
-        STATS["easgd_all_reduce_calls"] += 1
         if self.world > 1:
+            STATS["easgd_all_reduce"] += self._sum.numel() * self._sum.element_size()
+            STATS["easgd_all_reduce_calls"] += 1
             self._work = dist.all_reduce(self._sum, group=self.group, async_op=True)
 
     def _start(self) -> None:

@@ -64,8 +64,8 @@ def refuse_unsupported(
         problems.append("pipeline or sequence parallelism (EASGD averages whole data-parallel replicas)")
     if mpu is not None or cfg.tensor_parallel_config.autotp_size > 1 or cfg.hybrid_engine.enabled:
         problems.append("tensor parallelism (an mpu or tensor_parallel.autotp_size > 1) or the hybrid engine")
-    for key in ("grad_worker_fraction", "factor_reduction"):
-        if kfac_section is not None and key in kfac_section and kfac_section[key] not in ("local", 1, 1.0):
+    for key, meaningful in (("grad_worker_fraction", (1, "comm-opt")), ("factor_reduction", ("local",))):
+        if kfac_section is not None and key in kfac_section and kfac_section[key] not in meaningful:
             problems.append(
                 f"kfac.{key}={kfac_section[key]!r} (with easgd each rank preconditions its own gradient with "
                 f"factors of its own data: no factor or gradient is shared; leave the key out)"
