@@ -38,7 +38,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "kfac": {"easgd": {"rho": 0.5}, "kfac": KFAC},
     "bf16": {"easgd": {"rho": 0.5}, "ds": {"bf16": {"enabled": True}}},
 }
-RESUMED = ("momentum_period2_no_overlap", "kfac")
+RESUMED = ("momentum_period2_no_overlap", "kfac", "bf16")
 """Saved after step 3 (with period 2 a step without elastic update, whose successor's all-reduce has not started
 yet), and resumed from there as ``<name>_resumed``."""
 

@@ -141,7 +141,7 @@ class EASGDEngine(DeepSpeedEngine):
         if not os.path.isfile(path):
             raise ValueError(f"EASGD state not loaded (nothing was changed): no {path} (saved without EASGD?)")
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's optimizer wrappers
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
             raise ValueError(f"{path} is not a readable EASGD state: {err}") from err
         if not isinstance(state, dict) or set(state) != {"module", "optimizer", "easgd"}:
