@@ -218,3 +218,33 @@ def test_disabled_section_is_plain_deepspeed(one_rank: None, tmp_path: Path) -> 
     engine, *_ = ds_kfac.initialize(model=problem.make_model(), config={**BASE, "easgd": {"enabled": False}})
     assert type(engine).__name__ == "DeepSpeedEngine" and engine.enable_backward_allreduce
     engine.destroy()
+
+
+def test_a_bad_checkpoint_is_refused_before_anything_loads(one_rank: None, tmp_path: Path) -> None:
+    """A per-rank EASGD file with a NaN center (or a missing one) is refused naming the file and key; the
+    engine's weights, center and step count stay as they were."""
+    config = {**BASE, "gradient_clipping": 0.0, "easgd": {"rho": 0.5}}
+    engine, *_ = ds_kfac.initialize(model=problem.make_model(), config=config)
+    for step in range(2):
+        for x, y in local_batches(step, 0, 1):
+            engine.backward(problem.loss_fn(engine(x), y))
+            engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="ckpt")
+    path = tmp_path / "ckpt" / "easgd_rank0.pt"
+    state = torch.load(path)
+    state["easgd"]["center"][0] = float("nan")
+    torch.save(state, path)
+    x, y = local_batches(2, 0, 1)[0]
+    engine.backward(problem.loss_fn(engine(x), y))
+    engine.step()
+    before = ([p.detach().clone() for p in engine.module.parameters()], engine.easgd.center.clone())
+    with pytest.raises(
+        ValueError, match=r"EASGD state not loaded \(nothing was changed\): .*easgd_rank0\.pt: center: "
+    ):
+        engine.load_checkpoint(str(tmp_path), tag="ckpt")
+    path.unlink()
+    with pytest.raises(ValueError, match=r"no .*easgd_rank0\.pt \(saved without EASGD\?\)"):
+        engine.load_checkpoint(str(tmp_path), tag="ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(before[0], engine.module.parameters()))
+    assert torch.equal(before[1], engine.easgd.center) and engine.easgd.steps == 3 and engine.global_steps == 3
+    engine.destroy()
