@@ -1,6 +1,6 @@
 """ds_kfac: distributed K-FAC gradient preconditioning for DeepSpeed and PyTorch.
 
-* :func:`initialize` (DeepSpeed): ``deepspeed.initialize`` plus the ``"kfac"`` config section.
+* :func:`initialize` (DeepSpeed): ``deepspeed.initialize`` plus the ``"kfac"`` and ``"easgd"`` config sections.
 * :class:`KFACPreconditioner` (plain PyTorch / DDP): ``kfac.step()`` between backward and ``optimizer.step()``.
 * :func:`shutdown` (both): the last call of a training script, on every rank.
 * :class:`ds_kfac.hf.KFACTrainer` (Hugging Face ``Trainer`` with DeepSpeed): imports transformers and accelerate,
@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from .config import KFACConfig, KFACConfigError, PiecewiseSchedule
+from .easgd import EASGDConfig
 from .integration import release_deepspeed_shm, shutdown
 from .layers import UnsupportedLayerError, register_adapter
 from .optimizers import Lamb, build_optimizer, resolve_lamb
@@ -20,7 +21,13 @@ from .preconditioner import KFACPreconditioner
 
 __version__ = "0.1.0"
 
-_DEEPSPEED_API = {"initialize": "initialize", "add_config_arguments": "initialize", "KFACEngine": "engine"}
+_DEEPSPEED_API = {
+    "initialize": "initialize",
+    "add_config_arguments": "initialize",
+    "KFACEngine": "engine",
+    "EASGDEngine": "easgd",
+    "KFACEASGDEngine": "easgd",
+}
 """Names that import DeepSpeed, and their module in ``ds_kfac.integration``."""
 
 
@@ -33,8 +40,11 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EASGDConfig",
+    "EASGDEngine",
     "KFACConfig",
     "KFACConfigError",
+    "KFACEASGDEngine",
     "KFACEngine",
     "KFACPreconditioner",
     "Lamb",

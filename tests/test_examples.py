@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_kfac import KFACConfig
+from ds_kfac import EASGDConfig, KFACConfig
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).parents[1]
@@ -28,6 +28,7 @@ def test_shipped_configs_validate(path: Path) -> None:
     config = json.loads(path.read_text())
     kfac = KFACConfig.parse(config.get("kfac"))
     assert kfac.enabled == ("kfac" in config and config["kfac"].get("enabled", True))
+    assert EASGDConfig.parse(config.get("easgd")).enabled == ("easgd" in config)
 
 
 def _write_cifar_batch(path: Path, n: int, seed: int) -> None:
@@ -55,7 +56,7 @@ def test_resnet_depth_checked() -> None:
         resnet.ResNet(10, 3, 10)
 
 
-@pytest.mark.parametrize("config", ["resnet_sgd_cpu.json", "resnet_kfac_cpu.json"])
+@pytest.mark.parametrize("config", ["resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_cpu.json"])
 def test_resnet_example_learns_on_two_ranks(tmp_path: Path, config: str) -> None:
     """The real entry point under the deepspeed launcher: 30 steps on the (hard) embedded default lift
     held-out accuracy far above chance (0.1), and metrics.csv holds the timed curve the benchmark reads."""
@@ -67,7 +68,13 @@ def test_resnet_example_learns_on_two_ranks(tmp_path: Path, config: str) -> None
     (line,) = results.read_text().splitlines()
     metrics = json.loads(line)
     print(f"\n{config}: held-out accuracy {metrics['accuracy']:.4f} after {metrics['steps']} steps")
-    assert metrics["kfac"] == ("kfac" in config) and metrics["accuracy"] > 0.4
+    # EASGD is evaluated on its center, which trails the workers early on (0.35 at step 30 where SGD has 0.51)
+    assert metrics["kfac"] == ("kfac" in config) and metrics["accuracy"] > (0.25 if "easgd" in config else 0.4)
+    assert metrics["easgd"] == ("easgd" in config)
+    if metrics["easgd"]:  # the center, evaluated and saved
+        center = torch.load(tmp_path / Path(config).stem / "center.pt")
+        model = resnet.ResNet(8, 1, 10)
+        assert center.keys() == dict(model.named_parameters()).keys()
     with (tmp_path / Path(config).stem / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(1, 31))
@@ -80,7 +87,7 @@ def test_resnet_example_learns_on_two_ranks(tmp_path: Path, config: str) -> None
 
 def test_resnet_budget_comes_from_the_config_section() -> None:
     """Both shipped ResNet configs say their budget; K-FAC's is compressed together with its schedule."""
-    for name in ("resnet_sgd_cpu.json", "resnet_kfac_cpu.json"):
+    for name in ("resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_cpu.json"):
         config = json.loads((ROOT / "configs" / name).read_text())
         assert config["resnet"]["steps"] == config["scheduler"]["params"]["total_num_steps"], name
 

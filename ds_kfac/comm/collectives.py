@@ -23,7 +23,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 STATS: Counter[str] = Counter()
 """Payload bytes per collective kind on this process (``"all_reduce"``, ``"reduce"``; ``"broadcast"``
 counts what this rank sends as source, ``"send"`` what it sends point to point, ``"all_to_all"`` what it
-sends to other ranks), and call counts (``"<kind>_calls"``)."""
+sends to other ranks; ``"easgd_all_reduce"`` the EASGD weights' all-reduce, :mod:`ds_kfac.easgd`), and call counts
+(``"<kind>_calls"``)."""
 
 
 def data_parallel_world(group: Optional[dist.ProcessGroup] = None) -> int:

@@ -184,16 +184,17 @@ class KFACConfig(BaseModel):
         try:
             return cls(**section)
         except ValidationError as err:
-            raise KFACConfigError(_format_errors(err, where)) from None
+            raise KFACConfigError(format_errors(err, where, cls, "K-FAC")) from None
 
 
-def _format_errors(err: ValidationError, where: str) -> str:
+def format_errors(err: ValidationError, where: str, model: type[BaseModel], title: str) -> str:
+    """One message for every error of ``model`` (the ``where`` section of a config, e.g. ``"kfac"``), a line per key."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not _is_union_tag(p))
         key = f"{where}.{loc}" if loc else where
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(KFACConfig.model_fields)
+            allowed = ", ".join(model.model_fields)
             lines.append(f"{key}: unknown key (allowed keys: {allowed})")
             continue
         msg = e["msg"].removeprefix("Value error, ")
@@ -202,7 +203,7 @@ def _format_errors(err: ValidationError, where: str) -> str:
     seen: dict[str, str] = {}
     for line in lines:
         seen.setdefault(line.split(":", 1)[0], line)
-    return "invalid K-FAC config:\n  " + "\n  ".join(seen.values())
+    return f"invalid {title} config:\n  " + "\n  ".join(seen.values())
 
 
 def _is_union_tag(part: Any) -> bool:

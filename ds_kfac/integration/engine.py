@@ -28,12 +28,14 @@ from typing import Any, Optional
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..comm import all_reduce_sum_
 from ..config import KFACConfig
 from ..placement import GradientLayout
 from ..preconditioner import KFACPreconditioner
+from .files import save_atomic, tag_to_load, tag_to_save
 from .layouts import zero_layout
 
 STATE_FILE = "kfac_state.pt"
@@ -57,7 +59,7 @@ class KFACEngine(DeepSpeedEngine):
             accumulation_steps=self.gradient_accumulation_steps(),
             loss_scale=self._loss_scale,
             boundary=self.is_gradient_accumulation_boundary,
-            process_group=self.data_parallel_group,
+            process_group=self._kfac_group(),
             layout=self._gradient_layout(),
         )
         self._preconditioning_verified = False
@@ -67,6 +69,10 @@ class KFACEngine(DeepSpeedEngine):
         stage = self.zero_optimization_stage()
         group = self.optimizer.dp_process_group if stage else self.data_parallel_group
         return zero_layout(stage, group, self._loss_scale)
+
+    def _kfac_group(self) -> dist.ProcessGroup:
+        """The ranks whose factors K-FAC combines: the data-parallel group."""
+        return self.data_parallel_group
 
     def _loss_scale(self) -> float:
         """The scale the gradients carry: ZeRO 1-3 scale the loss in ``engine.backward`` (fp16)."""
@@ -105,7 +111,7 @@ class KFACEngine(DeepSpeedEngine):
             dtype=torch.int32,
             device=self.device,
         )
-        all_reduce_sum_([flags], self.data_parallel_group)
+        all_reduce_sum_([flags], self.kfac.process_group)
         decomposed, preconditioned = flags.tolist()
         if not any(decomposed):
             return
@@ -138,13 +144,10 @@ class KFACEngine(DeepSpeedEngine):
 
         The state is gathered to data-parallel rank 0 only, which writes it before DeepSpeed
         writes anything (so before the ``latest`` file names the new tag)."""
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)  # DeepSpeed's default tag
+        tag = tag_to_save(self, tag)
         state = self.kfac.state_dict()
         if state is not None:
-            path = os.path.join(save_dir, tag, STATE_FILE)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)  # a reader sees the whole file or none
+            save_atomic(state, os.path.join(save_dir, tag, self._kfac_state_file()))
         return super().save_checkpoint(save_dir, tag, client_state=client_state or {}, **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Optional[str], Optional[dict]]:
@@ -158,33 +161,27 @@ class KFACEngine(DeepSpeedEngine):
         """
         if kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True):
             return super().load_checkpoint(load_dir, tag, **kwargs)
-        tag = self._tag_to_load(load_dir, tag)
+        tag = tag_to_load(self, load_dir, tag)
         if tag is None:  # no checkpoint named: DeepSpeed warns and loads nothing
             return super().load_checkpoint(load_dir, tag, **kwargs)
-        checked = self.kfac.check_state_dict(_read_state(os.path.join(load_dir, tag)))
+        checked = self.kfac.check_state_dict(_read_state(os.path.join(load_dir, tag), self._kfac_state_file()))
         path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
         if path is not None:
             self.kfac.load_state_dict(checked)
         return path, client_state
 
-    def _tag_to_load(self, load_dir: str, tag: Any) -> Optional[str]:
-        """The tag ``DeepSpeedEngine.load_checkpoint`` loads: ``tag``, else the one its ``latest`` file
-        names (``latest_universal`` for universal checkpoints); ``None`` without that file."""
-        if tag is not None:
-            return str(tag)
-        latest = os.path.join(load_dir, "latest_universal" if self.load_universal_checkpoint() else "latest")
-        if not os.path.isfile(latest):
-            return None
-        with open(latest) as f:
-            return f.read().strip()
+    def _kfac_state_file(self) -> str:
+        """The name of K-FAC's state file in a checkpoint's tag directory."""
+        return STATE_FILE
 
 
-def _read_state(checkpoint: str) -> dict[str, Any]:
-    """K-FAC's state from a checkpoint's tag directory, as saved (CPU tensors, plain containers only)."""
-    path = os.path.join(checkpoint, STATE_FILE)
+def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
+    """K-FAC's state from file ``name`` of a checkpoint's tag directory, as saved (CPU tensors, plain containers
+    only)."""
+    path = os.path.join(checkpoint, name)
     if not os.path.isfile(path):
         raise ValueError(
-            f"checkpoint {checkpoint} has no K-FAC state (no {STATE_FILE}: saved without ds_kfac, with K-FAC "
+            f"checkpoint {checkpoint} has no K-FAC state (no {name}: saved without ds_kfac, with K-FAC "
             f"disabled, or by a ds_kfac that kept it in DeepSpeed's client_state); pass load_optimizer_states=False "
             f"to start K-FAC fresh from its weights"
         )

@@ -2,7 +2,8 @@
 
 Same arguments and return values as ``deepspeed.initialize``. Differences:
 
-* with ``"kfac": {"enabled": true, ...}`` the engine is a :class:`KFACEngine`;
+* with ``"kfac": {"enabled": true, ...}`` the engine is a :class:`KFACEngine`; with ``"easgd"`` enabled an
+  :class:`EASGDEngine` (synchronous EASGD), or with both a :class:`KFACEASGDEngine`;
 * an ``"optimizer"`` of type ``Lamb`` or ``SGD`` in the JSON is built by
   :func:`ds_kfac.optimizers.build_optimizer` (Apex FusedLAMB, DeepSpeed
   FusedLamb, or the pure-PyTorch LAMB), so LAMB configs also run where
@@ -34,6 +35,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.module_inject import set_autotp_mode
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config, merge_tp_model_init_into_config
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
@@ -42,8 +44,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..config import KFACConfig, KFACConfigError
+from ..easgd import EASGDConfig
 from ..optimizers import build_optimizer
 from ..placement import workers_per_layer
+from .easgd import EASGDEngine, KFACEASGDEngine
+from .easgd import refuse_unsupported as refuse_easgd_unsupported
 from .engine import KFACEngine
 
 JSON_OPTIMIZERS = ("lamb", "sgd")
@@ -236,7 +241,9 @@ def initialize(
     config = _config_dict(args, config, config_params)
     if "kfac" not in config:
         _warn_near_misses(config)
-    kfac_config = KFACConfig.parse(config.pop("kfac", None))
+    kfac_section = config.pop("kfac", None)
+    kfac_config = KFACConfig.parse(kfac_section)
+    easgd_config = EASGDConfig.parse(config.pop("easgd", None))
     ds_comm.init_distributed(  # the first step of deepspeed.initialize; ZeRO's optimizer check needs it
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
@@ -257,42 +264,59 @@ def initialize(
         config=config,
         mesh_param=mesh_param,
     )
-    if not kfac_config.enabled:
+    if not (kfac_config.enabled or easgd_config.enabled):
         with _config_not_in(args):
             return deepspeed.initialize(**common, distributed_port=distributed_port)
-    return _initialize_kfac(**common, kfac_config=kfac_config)
+    extra: dict[str, Any] = {}
+    if kfac_config.enabled:
+        extra["kfac_config"] = kfac_config
+    if easgd_config.enabled:
+        extra["easgd_config"] = easgd_config
+    return _initialize_kfac(**common, kfac_section=kfac_section, engine_kwargs=extra)
+
+
+def _engine_class(engine_kwargs: dict[str, Any]) -> type[DeepSpeedEngine]:
+    """The engine for the enabled sections: :class:`KFACEngine`, :class:`EASGDEngine` or both combined."""
+    kfac, easgd = "kfac_config" in engine_kwargs, "easgd_config" in engine_kwargs
+    return KFACEASGDEngine if kfac and easgd else EASGDEngine if easgd else KFACEngine
 
 
 def _initialize_kfac(
     *,
     model: torch.nn.Module,
     config: dict,
-    kfac_config: KFACConfig,
+    kfac_section: Optional[dict],
+    engine_kwargs: dict[str, Any],
     mpu: Any,
     mesh_param: Any,
     **engine_args: Any,
 ) -> tuple[Any, Any, Any, Any]:
     """The non-pipeline branch of ``deepspeed.initialize`` (0.19.8) after ``init_distributed``, step by step,
-    with :class:`KFACEngine`.
+    with :class:`KFACEngine` (or an EASGD engine, :func:`_engine_class`) given ``engine_kwargs``.
 
     Steps that only serve setups :func:`_refuse_unsupported` refuses (a mesh device, the hybrid engine) are
     left out; ``tests/robustness/test_deepspeed_drift.py`` lists every step and what happens to it here.
     """
+    engine_class = _engine_class(engine_kwargs)
     log_dist(
         f"DeepSpeed info: version={deepspeed.__version__}, git-hash={deepspeed.__git_hash__}, "
-        f"git-branch={deepspeed.__git_branch__}; engine: ds_kfac.KFACEngine",
+        f"git-branch={deepspeed.__git_branch__}; engine: ds_kfac.{engine_class.__name__}",
         ranks=[0],
     )
     partition_parameters.shutdown_init_context()  # a zero.Init context must not wrap the engine's own modules
     try:
         merge_tp_model_init_into_config(config, mpu, mesh_param, ds_comm)  # deepspeed.tp_model_init's settings
         config_class = DeepSpeedConfig(config, mpu)
-        _refuse_unsupported(config_class, config, kfac_config, model, mpu, mesh_param)
+        if "kfac_config" in engine_kwargs:
+            _refuse_unsupported(config_class, config, engine_kwargs["kfac_config"], model, mpu, mesh_param)
+        if "easgd_config" in engine_kwargs:
+            kfac_section = kfac_section if "kfac_config" in engine_kwargs else None
+            refuse_easgd_unsupported(config_class, config, model, mpu, kfac_section)
         if config_class.tensor_parallel_config.autotp_size > 0:
             set_autotp_mode(training=True)
         deepspeed.set_optimizer_flags(config_class, model)  # e.g. Muon's per-parameter flags
-        engine = KFACEngine(
-            model=model, mpu=mpu, config=config, config_class=config_class, kfac_config=kfac_config, **engine_args
+        engine = engine_class(
+            model=model, mpu=mpu, config=config, config_class=config_class, **engine_kwargs, **engine_args
         )
     finally:
         partition_parameters.restore_init_context()

@@ -3,6 +3,7 @@
 Launch as any DeepSpeed script::
 
     deepspeed --num_gpus 2 examples/resnet/train.py --deepspeed_config configs/resnet_kfac_cpu.json
+    deepspeed --num_gpus 2 examples/resnet/train.py --deepspeed_config configs/resnet_easgd_cpu.json
     deepspeed --num_gpus 8 examples/resnet/train.py --deepspeed_config configs/resnet32_cifar10_kfac.json \\
         --cifar10-dir /data/cifar-10-batches-py --depth 32 --epochs 100
 
@@ -24,6 +25,12 @@ also says how long it runs. ``--steps`` and ``--epochs`` override it.
 Every run writes ``<output-dir>/<run-name>/metrics.csv``: per step the
 training seconds (evaluation is not timed), loss and learning rate, and the
 held-out accuracy and loss every ``--eval-every`` steps and at the end.
+
+With an ``"easgd"`` section (synchronous EASGD: each rank trains its own
+weights, tied to a center), the held-out metrics are those of the center,
+swapped into the model for evaluation, and rank 0 saves the center to
+``<output-dir>/<run-name>/center.pt`` at the end (``{parameter name: tensor}``;
+BatchNorm statistics are rank 0's own).
 """
 
 from __future__ import annotations
@@ -149,6 +156,15 @@ def evaluate(
     return correct / len(x), loss / len(x)
 
 
+def evaluate_model(engine: deepspeed.DeepSpeedEngine, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """:func:`evaluate` on the model a run produces: with EASGD, the center."""
+    easgd = getattr(engine, "easgd", None)
+    if easgd is None:
+        return evaluate(engine, x, y)
+    with easgd.center_swapped_in():
+        return evaluate(engine, x, y)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cifar10-dir", type=Path, help="CIFAR-10 python batches; default: embedded digits")
@@ -195,11 +211,12 @@ def main() -> None:
         with metrics_csv.open("w", newline="") as f:
             csv.writer(f).writerow(METRICS_FIELDS)
     dtype = next(engine.module.parameters()).dtype
-    kfac = getattr(engine, "kfac", None)
+    kfac, easgd = getattr(engine, "kfac", None), getattr(engine, "easgd", None)
     if rank == 0:
         print(
             f"ResNet-{args.depth}, {len(x_tr)} train / {len(x_te)} held out, {world} ranks x {micro} x {accum} "
-            f"accumulation = batch {global_batch}, {steps} steps, K-FAC: {kfac is not None}",
+            f"accumulation = batch {global_batch}, {steps} steps, K-FAC: {kfac is not None}, "
+            f"EASGD: {easgd is not None}",
             flush=True,
         )
 
@@ -222,7 +239,7 @@ def main() -> None:
         seconds += time.perf_counter() - started
         row = [step + 1, f"{seconds:.3f}", f"{total:.6f}", f"{engine.get_lr()[0]:.6g}", "", ""]
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            accuracy, test_loss = evaluate(engine, x_te, y_te)
+            accuracy, test_loss = evaluate_model(engine, x_te, y_te)
             row[4:] = [f"{accuracy:.6f}", f"{test_loss:.6f}"]
             if rank == 0:
                 print(
@@ -233,8 +250,10 @@ def main() -> None:
             with metrics_csv.open("a", newline="") as f:
                 csv.writer(f).writerow(row)
 
+    if easgd is not None and rank == 0:
+        torch.save(easgd.center_state_dict(), run_dir / "center.pt")
     if rank == 0:
-        name = "K-FAC" if kfac is not None else "baseline"
+        name = " + ".join(n for n, on in (("K-FAC", kfac), ("EASGD", easgd)) if on is not None) or "baseline"
         print(f"{name}: held-out accuracy {accuracy:.4f}, loss {test_loss:.4f}, {seconds:.1f}s", flush=True)
         if args.results:
             with args.results.open("a") as f:
@@ -243,6 +262,7 @@ def main() -> None:
                         {
                             "config": args.deepspeed_config,
                             "kfac": kfac is not None,
+                            "easgd": easgd is not None,
                             "steps": steps,
                             "accuracy": accuracy,
                             "loss": test_loss,
