@@ -82,6 +82,7 @@ def main() -> None:
     for entry in summary.values():
         entry["step_time_vs_sgd"] = entry["ms_per_step"]["median"] / base
     out = {
+        "benchmark": "easgd",
         "command": f"python benchmarks/easgd.py --rounds {args.rounds} --out {args.out}",
         "parameters": n,
         "load_average_before": load,
