@@ -31,6 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_rank_env() -> dict[str, str]:
+    """The launcher's environment for a single rank on a free loopback port."""
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+
+
 def run(
     cmds: list[list[str]],
     timeout: float,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import launch
 import pytest
@@ -172,16 +172,6 @@ def test_bf16_trains_near_the_fp32_simulation(runs: dict[str, list[dict]]) -> No
 
 
 # ------------------------------------------------------------------ refused configs, one rank in this process
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The launcher's environment for one rank; the process group is shut down afterwards."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for key, value in {**env, "MASTER_PORT": str(launch.free_port())}.items():
-        monkeypatch.setenv(key, value)
-    yield
-    ds_kfac.shutdown()
-
-
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 REFUSED = {
     "rho missing": ({"easgd": {"period": 2}}, r"easgd\.rho: required when EASGD is enabled"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import deepspeed
 import launch
@@ -137,16 +137,6 @@ def test_import_ds_kfac_imports_neither_transformers_nor_accelerate() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"  # after DeepSpeed's log lines
-
-
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The launcher's environment for one rank in this process; the process group is shut down afterwards."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for key, value in {**env, "MASTER_PORT": str(launch.free_port())}.items():
-        monkeypatch.setenv(key, value)
-    yield
-    ds_kfac.shutdown()
 
 
 def test_kfac_trainer_refuses_a_setup_without_kfac(one_rank: None, tmp_path: Path) -> None:

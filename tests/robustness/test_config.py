@@ -364,9 +364,7 @@ def test_initialize_warns_for_each_near_miss_and_runs_plain_deepspeed() -> None:
     """issue 14, item 9a: a config with "KFAC" and "kfca" but no "kfac" gives a plain DeepSpeed engine (as before)
     and one UserWarning per near-miss key, naming it and saying K-FAC is off, pointing at the caller's line.
     One real single-process engine, in a subprocess so this process stays without torch.distributed."""
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(launch.free_port())
-    (out,) = launch.run([[sys.executable, "-c", INITIALIZE]], timeout=100, env=env)
+    (out,) = launch.run([[sys.executable, "-c", INITIALIZE]], timeout=100, env=launch.one_rank_env())
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
     assert result["engine"] == "DeepSpeedEngine" and not result["kfac"]
     expected = [

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import deepspeed
-import launch
 import pytest
 import torch
 from packaging.requirements import Requirement
@@ -86,17 +85,12 @@ def test_every_step_of_deepspeed_initialize_is_followed() -> None:
 
 
 @pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """The launcher's environment for one rank; the engines built are destroyed (which restores Python's
-    GC if they disabled it) and the process group is shut down afterwards."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for key, value in {**env, "MASTER_PORT": str(launch.free_port())}.items():
-        monkeypatch.setenv(key, value)
-    engines: list[Any] = []
-    yield engines
-    for engine in engines:
+def engines(one_rank: None) -> Iterator[list[Any]]:
+    """Engines a test builds on one rank, destroyed afterwards (which restores Python's GC if they disabled it)."""
+    built: list[Any] = []
+    yield built
+    for engine in built:
         engine.destroy()
-    ds_kfac.shutdown()
 
 
 def _effects(init: Any, config: dict, tmp_path: Path) -> dict[str, Any]:
@@ -117,7 +111,7 @@ def _effects(init: Any, config: dict, tmp_path: Path) -> dict[str, Any]:
     return effects
 
 
-def test_initialize_has_the_effects_of_deepspeed_initialize(one_rank: list[Any], tmp_path: Path) -> None:
+def test_initialize_has_the_effects_of_deepspeed_initialize(engines: list[Any], tmp_path: Path) -> None:
     """Issue 14, item 12 (a): the K-FAC path honours ``disable_python_gc``, sets the optimizer flags
     ``set_optimizer_flags`` sets (Muon's ``use_muon``), reads ``--deepscale_config`` and aligns
     ``args.local_rank``, exactly as ``deepspeed.initialize`` does."""
@@ -176,15 +170,15 @@ def _train_step(engine: Any) -> None:
     engine.step()
 
 
-def test_renamed_zero_internal_raises_naming_the_layers(one_rank: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_renamed_zero_internal_raises_naming_the_layers(engines: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 14, item 12 (c): under ZeRO 2, a DeepSpeed that no longer exposes ``param._hp_mapping`` (simulated:
     the fragment lookup finds nothing) makes the first step with decompositions raise, naming every layer and
     docs/maintainers.md, before DeepSpeed applies the unpreconditioned gradients. The real lookup passes."""
-    engine = _zero2_engine(one_rank)
+    engine = _zero2_engine(engines)
     _train_step(engine)
     assert engine.kfac.preconditioned == ("0", "2", "4")
     monkeypatch.setattr(Zero12Gradients, "fragment", lambda self, param: None)
-    engine = _zero2_engine(one_rank)
+    engine = _zero2_engine(engines)
     before = [p.detach().clone() for p in engine.module.parameters()]
     with pytest.raises(RuntimeError, match=r"K-FAC layers \['0', '2', '4'\] have decompositions") as error:
         _train_step(engine)
@@ -200,7 +194,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_tensor_parallelism_and_hybrid_engine_refused(case: str, one_rank: list[Any]) -> None:
+def test_tensor_parallelism_and_hybrid_engine_refused(case: str, engines: list[Any]) -> None:
     """Issue 14, item 12 (d): tensor parallelism (an ``mpu``, AutoTP) and the hybrid engine are refused at
     ``initialize``, in the message that names every unsupported part of the setup."""
     section, kwargs, message = REFUSED[case]

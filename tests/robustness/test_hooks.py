@@ -125,11 +125,10 @@ def test_activation_checkpointing_counts_once_and_hands_over_at_backward(kind: s
     """Item 14: with recomputation, the factors equal the plain model's (each forward counted once), and each
     layer's statistics are handed to the reduction during the last backward, not delayed to the step."""
     if kind == "deepspeed":  # needs DeepSpeed's distributed backend: one rank in a subprocess
-        port = str(launch.free_port())
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = launch.one_rank_env()
         out = launch.run([[sys.executable, str(launch.WORKERS / "checkpointing.py"), kind]], timeout=120, env=env)
         result = json.loads(out[0].split("RESULT ", 1)[1].splitlines()[0])
-        release_port_segments(port)
+        release_port_segments(env["MASTER_PORT"])
     else:
         result = checkpointing.run(kind)
     plain = checkpointing.run("none")

@@ -15,18 +15,15 @@ batch ``(s * GA + m) * world + r`` of ``MICRO`` rows (:func:`rows`).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
+import ds_worker  # noqa: E402
 import problem  # noqa: E402
 
 import ds_kfac  # noqa: E402
@@ -168,20 +165,7 @@ def run_direct(scenario: dict, world: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    out, world = Path(args.out), dist.get_world_size()
-    for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
-        result = run_direct(scenario, world) if scenario["run"] == "direct" else run_trainer(scenario, world)
-        torch.save(result, out / f"{i}_rank{dist.get_rank()}.pt")
-    ds_kfac.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    ds_worker.main(
+        lambda scenario: (run_direct if scenario["run"] == "direct" else run_trainer)(scenario, dist.get_world_size())
+    )
