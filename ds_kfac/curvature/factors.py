@@ -29,15 +29,12 @@ class KroneckerFactor:
         self._sum: Optional[torch.Tensor] = None
         self._count = 0
 
-    def accumulate(
-        self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0, bias_column: bool = False
-    ) -> None:
-        """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows,
-        with a trailing 1 appended to each row when ``bias_column``."""
+    def accumulate(self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0) -> None:
+        """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows (``G``, at the backward)."""
         x = rows.detach().to(compute_dtype(self.dtype))
         if self._sum is None:
             self._sum = x.new_zeros(self.dim, self.dim)
-        _add_outer(self._sum, x, scale, bias_column)
+        _add_outer(self._sum, x, scale, bias_column=False)
         self._count += 1
 
     def statistic(self, rows: torch.Tensor, bias_column: bool = False) -> torch.Tensor:
