@@ -46,7 +46,7 @@ class KFACEngine(DeepSpeedEngine):
     """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
 
     Built by :func:`ds_kfac.initialize`, which first refuses the setups this
-    engine does not support (ZeRO 3, offload, pipeline, tensor parallelism,
+    engine does not support (ZeRO 3 without mem-opt, offload, pipeline, tensor parallelism,
     the hybrid engine, fp16 at stage 0).
     """
 
