@@ -15,7 +15,7 @@ from .collectives import (
     send_,
     unpack_symmetric,
 )
-from .groups import RankGroups
+from .groups import RankGroups, create_groups
 from .ordered import OrderedBuckets
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "all_to_all_",
     "broadcast_",
     "buckets",
+    "create_groups",
     "data_parallel_rank",
     "data_parallel_world",
     "pack_symmetric",

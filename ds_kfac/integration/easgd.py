@@ -24,6 +24,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..comm import create_groups
 from ..config import KFACConfigError
 from ..easgd import EASGDConfig, ElasticAverager
 from .engine import KFACEngine
@@ -84,7 +85,7 @@ class EASGDEngine(DeepSpeedEngine):
         names = {p: n for n, p in self.module.named_parameters()}
         group = None
         if self.dp_world_size > 1:  # a group of its own: the all-reduce runs while the engine communicates
-            group = dist.new_group(dist.get_process_group_ranks(self.data_parallel_group))
+            (group,) = create_groups([tuple(dist.get_process_group_ranks(self.data_parallel_group))])
         self.easgd = ElasticAverager(weights, params, [names[p] for p in params], easgd_config, group)
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
