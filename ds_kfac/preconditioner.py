@@ -74,6 +74,11 @@ class KFACPreconditioner:
         layout: where the reduced gradients lie at the step (:mod:`ds_kfac.placement.gradients`);
             the default is each parameter's whole ``.grad`` (plain PyTorch, DDP). The
             :class:`ds_kfac.KFACEngine` passes the layout of its ZeRO stage.
+        model_parallel_group: the ranks holding the other parts of this rank's model replica
+            (tensor-parallel shards, pipeline stages; Megatron's and DeepSpeed's
+            ``mpu.get_model_parallel_group()``). The KL clip's sum is completed over it, so every
+            rank scales by the same ``nu``; each rank's sum must count only the layers it is
+            responsible for. ``None``: the model is whole on every rank.
         **keys: the ``"kfac"`` keys, as an alternative to ``config``.
     """
 
@@ -90,6 +95,7 @@ class KFACPreconditioner:
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         layout: Optional[GradientLayout] = None,
+        model_parallel_group: Optional[dist.ProcessGroup] = None,
         **keys: Any,
     ) -> None:
         if isinstance(config, KFACConfig):
@@ -108,6 +114,7 @@ class KFACPreconditioner:
         if boundary is None and accumulation_steps == 1:
             boundary = _every_backward_ends_a_step
         self.process_group = process_group
+        self.model_parallel_group = model_parallel_group
         self.bucket_bytes = bucket_bytes
 
         layers, self.skipped_layers = find_layers(
@@ -218,10 +225,7 @@ class KFACPreconditioner:
                     [out[i] for i in counted],
                     [grads[i] for i in counted],
                 )
-                if layout.sharded or not distributor.plan.replicated:
-                    vg = vg.to(torch.float32).reshape(1)
-                    all_reduce_sum_([vg], self.process_group)
-                    vg = vg[0]
+                vg = self._complete_kl_sum(vg, data_parallel=layout.sharded or not distributor.plan.replicated)
                 scale = layout.grad_scale()
                 nu = torch.sqrt(self.config.at("kl_clip", s) / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
                 self.state.scalars.last_nu = nu
@@ -230,6 +234,19 @@ class KFACPreconditioner:
                 out = distributor.share_preconditioned(blocks, out, grads)
             layout.write(blocks, fragments, out)
         return True
+
+    def _complete_kl_sum(self, vg: torch.Tensor, data_parallel: bool) -> torch.Tensor:
+        """This rank's part of the KL clip's ``sum(P(g) * g)`` summed over the data-parallel ranks (when
+        they hold different parts of it) and then over :attr:`model_parallel_group`: the same on every rank."""
+        groups = ([self.process_group] if data_parallel else []) + (
+            [self.model_parallel_group] if self.model_parallel_group is not None else []
+        )
+        if not groups:
+            return vg
+        vg = vg.to(torch.float32).reshape(1)
+        for group in groups:
+            all_reduce_sum_([vg], group)
+        return vg[0]
 
     def _no_backward(self) -> bool:
         """A step that no registered layer's backward preceded: refuse a model whose hooks never ran although

@@ -61,6 +61,7 @@ class KFACEngine(DeepSpeedEngine):
             boundary=self.is_gradient_accumulation_boundary,
             process_group=self._kfac_group(),
             layout=self._gradient_layout(),
+            model_parallel_group=self._model_parallel_group(),
         )
         self._preconditioning_verified = False
 
@@ -73,6 +74,14 @@ class KFACEngine(DeepSpeedEngine):
     def _kfac_group(self) -> dist.ProcessGroup:
         """The ranks whose factors K-FAC combines: the data-parallel group."""
         return self.data_parallel_group
+
+    def _model_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks holding the other parts of this rank's model replica (``mpu.get_model_parallel_group()``
+        of Megatron's ``parallel_state`` or DeepSpeed's pipeline grid), or ``None`` when the model is whole."""
+        if self.mpu is None:
+            return None
+        group = self.mpu.get_model_parallel_group()
+        return group if dist.get_world_size(group) > 1 else None
 
     def _loss_scale(self) -> float:
         """The scale the gradients carry: ZeRO 1-3 scale the loss in ``engine.backward`` (fp16)."""
