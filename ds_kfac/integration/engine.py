@@ -65,11 +65,14 @@ class KFACEngine(DeepSpeedEngine):
         )
         self._preconditioning_verified = False
 
-    def _gradient_layout(self) -> GradientLayout:
-        """Where this engine's ZeRO stage keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`)."""
+    def _gradient_layout(self) -> Optional[GradientLayout]:
+        """Where this engine's ZeRO stage 1-3 keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`);
+        ``None`` at stage 0: each parameter's whole ``.grad``, the preconditioner's default (which also knows
+        tensor-parallel layers)."""
         stage = self.zero_optimization_stage()
-        group = self.optimizer.dp_process_group if stage else self.data_parallel_group
-        return zero_layout(stage, group, self._loss_scale)
+        if stage == 0:
+            return None
+        return zero_layout(stage, self.optimizer.dp_process_group, self._loss_scale)
 
     def _kfac_group(self) -> dist.ProcessGroup:
         """The ranks whose factors K-FAC combines: the data-parallel group."""
