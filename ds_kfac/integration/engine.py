@@ -30,6 +30,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from ..comm import all_reduce_sum_
 from ..config import KFACConfig
@@ -46,8 +47,8 @@ class KFACEngine(DeepSpeedEngine):
     """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
 
     Built by :func:`ds_kfac.initialize`, which first refuses the setups this
-    engine does not support (ZeRO 3 without mem-opt, offload, pipeline, tensor parallelism,
-    the hybrid engine, fp16 at stage 0).
+    engine does not support (ZeRO 3 without mem-opt, offload, pipeline, tensor parallelism other than
+    Megatron's at ZeRO stage 0, the hybrid engine, fp16 at stage 0).
     """
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
@@ -183,14 +184,26 @@ class KFACEngine(DeepSpeedEngine):
         return path, client_state
 
     def _kfac_state_file(self) -> str:
-        """The name of K-FAC's state file in a checkpoint's tag directory."""
-        return STATE_FILE
+        """The name of K-FAC's state file in a checkpoint's tag directory: with tensor parallelism one per
+        tensor-parallel rank ``r`` of ``n``, ``kfac_state_tp<r>of<n>.pt``, holding the whole factors of the layers
+        that rank preconditions (those it owns under ``exact``)."""
+        size = bwc_tensor_model_parallel_world_size(self.mpu)
+        if size <= 1:
+            return STATE_FILE
+        return f"kfac_state_tp{self.mpu.get_tensor_model_parallel_rank()}of{size}.pt"
 
 
 def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
     """K-FAC's state from file ``name`` of a checkpoint's tag directory, as saved (CPU tensors, plain containers
     only)."""
     path = os.path.join(checkpoint, name)
+    others = sorted(f for f in os.listdir(checkpoint) if f.startswith("kfac_state")) if os.path.isdir(checkpoint) else []
+    if not os.path.isfile(path) and others:
+        raise ValueError(
+            f"checkpoint {checkpoint} has no {name} but {others}: it was saved at another tensor-parallel size, and "
+            f"K-FAC's per-rank state cannot be resharded; resume at the same size, or pass "
+            f"load_optimizer_states=False to start K-FAC fresh from its weights"
+        )
     if not os.path.isfile(path):
         raise ValueError(
             f"checkpoint {checkpoint} has no K-FAC state (no {name}: saved without ds_kfac, with K-FAC "

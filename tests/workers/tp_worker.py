@@ -5,13 +5,14 @@ CLASSES)`` (the head replicated on every tensor-parallel rank), its weights the 
 Every step the data-parallel rank ``d`` of ``D`` trains on rows ``[d B/D, (d+1) B/D)`` of :func:`batch`.
 
 Scenario keys: ``mode`` (``tensor_parallel_factors``), ``bias`` (column and row biases), ``skip_bias_add`` (the
-row layer returns its bias, added here), ``engine`` (``ds_kfac.initialize(mpu=parallel_state)`` instead of the
+row layer returns its bias, added here), ``kfac`` (more K-FAC keys), ``engine`` (``ds_kfac.initialize(mpu=parallel_state)`` instead of the
 standalone preconditioner), ``save`` (``{"dir", "at"}``), ``load`` (a checkpoint dir to resume from). Records the
 full weights (shards gathered), every step's ``nu`` and the tensor-parallel bytes sent.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,54 @@ class TPModel(nn.Module):
         return out
 
 
+def refusals(scenario: dict[str, Any]) -> dict[str, str]:
+    """The error of each unsupported setup: layer variants, ZeRO 1, and a checkpoint of another tensor-parallel
+    size (``scenario["resharded"]``: ``from``, a checkpoint saved here, copied to ``to`` with its K-FAC files
+    named as at size 4)."""
+    from megatron.core import ModelParallelConfig, parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    import ds_kfac
+
+    cfg = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
+    seq = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True, sequence_parallel=True)
+    init = nn.init.normal_
+    layers = {
+        "gather_output": lambda: ColumnParallelLinear(IN, HIDDEN, config=cfg, init_method=init, gather_output=True),
+        "input_is_parallel": lambda: RowParallelLinear(
+            HIDDEN, OUT, config=cfg, init_method=init, bias=True, input_is_parallel=False, skip_bias_add=False
+        ),
+        "sequence_parallel": lambda: ColumnParallelLinear(IN, HIDDEN, config=seq, init_method=init),
+    }
+    out = {}
+    for name, make in layers.items():
+        try:
+            ds_kfac.KFACPreconditioner(make(), lr=LR, process_group=parallel_state.get_data_parallel_group())
+        except ValueError as err:
+            out[name] = str(err)
+    config = {"train_batch_size": BATCH, "optimizer": {"type": "SGD", "params": {"lr": LR}}, "kfac": KFAC}
+    try:
+        ds_kfac.initialize(
+            model=TPModel(True, False), config={**config, "zero_optimization": {"stage": 1}}, mpu=parallel_state
+        )
+    except ds_kfac.KFACConfigError as err:
+        out["zero1"] = str(err)
+    engine, *_ = ds_kfac.initialize(
+        model=TPModel(True, False), config={**config, "gradient_clipping": 0.0}, mpu=parallel_state
+    )
+    paths = scenario["resharded"]
+    if dist.get_rank() == 0:
+        shutil.copytree(paths["from"], paths["to"])
+        for f in Path(paths["to"], "ckpt").glob("kfac_state_tp*of2.pt"):
+            f.rename(f.with_name(f.name.replace("of2", "of4")))
+    dist.barrier()
+    try:
+        engine.load_checkpoint(paths["to"], tag="ckpt")
+    except ValueError as err:
+        out["resharded"] = str(err)
+    return out
+
+
 def train(scenario: dict[str, Any]) -> dict[str, Any]:
     from megatron.core import parallel_state
 
@@ -145,11 +194,13 @@ def train(scenario: dict[str, Any]) -> dict[str, Any]:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    if "resharded" in scenario:
+        return refusals(scenario)
     dp_group = parallel_state.get_data_parallel_group()
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     torch.manual_seed(0)
     model = TPModel(scenario.get("bias", True), scenario.get("skip_bias_add", False))
-    kfac_keys = {**KFAC, "tensor_parallel_factors": scenario.get("mode", "exact")}
+    kfac_keys = {**KFAC, "tensor_parallel_factors": scenario.get("mode", "exact"), **scenario.get("kfac", {})}
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     nus, before = [], dict(STATS)
     if scenario.get("engine"):
@@ -157,6 +208,7 @@ def train(scenario: dict[str, Any]) -> dict[str, Any]:
             "train_batch_size": BATCH,
             "train_micro_batch_size_per_gpu": BATCH // dp,
             "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "gradient_clipping": 0.0,
             "kfac": kfac_keys,
         }
         engine, *_ = ds_kfac.initialize(model=model, config=config, mpu=parallel_state)
