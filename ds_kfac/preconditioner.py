@@ -130,7 +130,7 @@ class KFACPreconditioner:
         relays = []
         tensor_parallel = split_tensor_parallel(layers)
         if tensor_parallel is not None:
-            self._check_tensor_parallel(layout, process_group, tensor_parallel.exact)
+            self._check_tensor_parallel(layout, process_group, exact=bool(tensor_parallel.exact))
             layers, relays = tensor_parallel.kept, tensor_parallel.relays
             layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
             if model_parallel_group is None:
@@ -166,7 +166,7 @@ class KFACPreconditioner:
         )
 
     def _check_tensor_parallel(
-        self, layout: Optional[GradientLayout], process_group: Optional[dist.ProcessGroup], exact: list
+        self, layout: Optional[GradientLayout], process_group: Optional[dist.ProcessGroup], exact: bool
     ) -> None:
         """Refuse what tensor-parallel layers cannot run with, naming it."""
         problems = []

@@ -197,7 +197,9 @@ def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
     """K-FAC's state from file ``name`` of a checkpoint's tag directory, as saved (CPU tensors, plain containers
     only)."""
     path = os.path.join(checkpoint, name)
-    others = sorted(f for f in os.listdir(checkpoint) if f.startswith("kfac_state")) if os.path.isdir(checkpoint) else []
+    others = (
+        sorted(f for f in os.listdir(checkpoint) if f.startswith("kfac_state")) if os.path.isdir(checkpoint) else []
+    )
     if not os.path.isfile(path) and others:
         raise ValueError(
             f"checkpoint {checkpoint} has no {name} but {others}: it was saved at another tensor-parallel size, and "
