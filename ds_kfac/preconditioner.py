@@ -35,7 +35,7 @@ from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
 from .health import Health
 from .layers import SkippedLayer, find_layers
-from .placement import Distributor, GradientLayout, WholeGradients
+from .placement import Distributor, GradientLayout, TensorParallelGradients, WholeGradients, split_tensor_parallel
 from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
 
@@ -72,13 +72,15 @@ class KFACPreconditioner:
         process_group: data-parallel group over which factors are averaged
             (the default group when distributed is initialized).
         layout: where the reduced gradients lie at the step (:mod:`ds_kfac.placement.gradients`);
-            the default is each parameter's whole ``.grad`` (plain PyTorch, DDP). The
-            :class:`ds_kfac.KFACEngine` passes the layout of its ZeRO stage.
+            the default is each parameter's whole ``.grad`` (plain PyTorch, DDP, ZeRO stage 0; with
+            tensor-parallel layers, :class:`~ds_kfac.placement.TensorParallelGradients`). The
+            :class:`ds_kfac.KFACEngine` passes the layout of its ZeRO stage 1-3.
         model_parallel_group: the ranks holding the other parts of this rank's model replica
             (tensor-parallel shards, pipeline stages; Megatron's and DeepSpeed's
             ``mpu.get_model_parallel_group()``). The KL clip's sum is completed over it, so every
             rank scales by the same ``nu``; each rank's sum must count only the layers it is
-            responsible for. ``None``: the model is whole on every rank.
+            responsible for. ``None``: the model is whole on every rank, or, with tensor-parallel
+            layers (Megatron's, :mod:`ds_kfac.integration.megatron`), their tensor-parallel group.
         **keys: the ``"kfac"`` keys, as an alternative to ``config``.
     """
 
@@ -123,7 +125,16 @@ class KFACPreconditioner:
             self.config.max_factor_dim,
             conv_factors=self.config.conv_factors,
             warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
+            tensor_parallel_factors=self.config.tensor_parallel_factors,
         )
+        relays = []
+        tensor_parallel = split_tensor_parallel(layers)
+        if tensor_parallel is not None:
+            self._check_tensor_parallel(layout, process_group, exact=bool(tensor_parallel.exact))
+            layers, relays = tensor_parallel.kept, tensor_parallel.relays
+            layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
+            if model_parallel_group is None:
+                self.model_parallel_group = model_parallel_group = tensor_parallel.group
         method = method_for(self.config)
         self.blocks = [
             KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
@@ -151,7 +162,28 @@ class KFACPreconditioner:
             accumulation_steps=accumulation_steps,
             loss_scale=loss_scale,
             last_micro_batch=boundary if self.config.overlap_factor_comm else None,
+            relays=relays,
         )
+
+    def _check_tensor_parallel(
+        self, layout: Optional[GradientLayout], process_group: Optional[dist.ProcessGroup], exact: bool
+    ) -> None:
+        """Refuse what tensor-parallel layers cannot run with, naming it."""
+        problems = []
+        if layout is not None:
+            problems.append(
+                f"gradient layout {type(layout).__name__} (ZeRO stage 1-3): tensor-parallel layers need each "
+                f"shard's whole gradient (ZeRO stage 0)"
+            )
+        if process_group is None and data_parallel_world() > 1:
+            problems.append(
+                "process_group=None: pass the data-parallel group (megatron.core.parallel_state."
+                "get_data_parallel_group()), over which factors are averaged"
+            )
+        if exact and self.config.factor_reduction == "local":
+            problems.append('factor_reduction="local" with tensor_parallel_factors="exact"')
+        if problems:
+            raise KFACConfigError("K-FAC with tensor-parallel layers does not support: " + "; ".join(problems))
 
     @property
     def collecting(self) -> bool:
@@ -217,7 +249,9 @@ class KFACPreconditioner:
             if kl_clip is not None:
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
                 counted = [
-                    i for i, b in enumerate(blocks) if mine[i] and (layout.sharded or distributor.counts_in_kl_sum(b))
+                    i
+                    for i, b in enumerate(blocks)
+                    if mine[i] and (layout.sharded or distributor.counts_in_kl_sum(b)) and layout.counts(b)
                 ]
                 vg = layout.dot(
                     [blocks[i] for i in counted],

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..curvature import KFACBlock
+from ..layers import LayerAdapter
 from ..placement import Distributor
 from ..timing import PhaseTimer
 
@@ -54,6 +55,9 @@ class FactorCollector:
         loss_scale: the loss scale of the micro-batch being back-propagated (1 when ``None``).
         last_micro_batch: whether the micro-batch being back-propagated ends the optimizer step; with it,
             each layer's statistics go to the distributor as soon as its last backward of the step ran.
+        relays: tensor-parallel layers whose factors another rank of their group holds (``exact``): their hooks
+            send this rank's rows to it (:mod:`ds_kfac.layers.tensor_parallel`), whenever the owner's hooks
+            compute statistics, so the collectives match.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class FactorCollector:
         accumulation_steps: int,
         loss_scale: Optional[LossScale],
         last_micro_batch: Optional[Callable[[], bool]],
+        relays: Sequence[LayerAdapter] = (),
     ) -> None:
         self.distributor = distributor
         self.timer = timer
@@ -80,6 +85,8 @@ class FactorCollector:
         self._backwards: Counter[str] = Counter()
         hook = torch.compiler.disable(self._forward_hook, reason=compile_reason)
         self._handles = [block.adapter.module.register_forward_hook(partial(hook, block)) for block in blocks]
+        relay = torch.compiler.disable(self._relay_forward_hook, reason=compile_reason)
+        self._handles += [adapter.module.register_forward_hook(partial(relay, adapter)) for adapter in relays]
 
     def arm(self, collecting: bool) -> None:
         """Start a step: gather factors during it or not."""
@@ -103,7 +110,8 @@ class FactorCollector:
         self._handles = []
 
     def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+        output = block.adapter.output_of(output)
+        if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
         self.ever_fired = True
         if not (self.collecting and module.training and self.distributor.collects(block)):
@@ -116,6 +124,25 @@ class FactorCollector:
             if not _in_backward():  # a recomputation stands in for a forward already counted
                 self._forwards[block.name] += 1
             output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x), statistic))
+
+    def _relay_forward_hook(self, adapter: LayerAdapter, module: nn.Module, inputs: tuple, output: Any) -> None:
+        """:meth:`_forward_hook` of a layer whose factors another rank holds: send it this rank's rows."""
+        output = adapter.output_of(output)
+        if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
+            return
+        self.ever_fired = True
+        if not (self.collecting and module.training):
+            if not self.backward_seen:
+                output.register_hook(self._mark_backward)
+            return
+        with self.timer.phase("hooks"):
+            adapter.input_rows(inputs[0])
+            output.register_hook(partial(self._relay_grad_hook, adapter))
+
+    def _relay_grad_hook(self, adapter: LayerAdapter, grad: torch.Tensor) -> None:
+        with self.timer.phase("hooks"):
+            self.backward_seen = True
+            adapter.output_grad_rows(grad)
 
     def _mark_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True

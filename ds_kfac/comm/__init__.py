@@ -10,8 +10,10 @@ from .collectives import (
     buckets,
     data_parallel_rank,
     data_parallel_world,
+    gather_,
     pack_symmetric,
     receive,
+    scatter_,
     send_,
     unpack_symmetric,
 )
@@ -30,8 +32,10 @@ __all__ = [
     "create_groups",
     "data_parallel_rank",
     "data_parallel_world",
+    "gather_",
     "pack_symmetric",
     "receive",
+    "scatter_",
     "send_",
     "unpack_symmetric",
 ]

@@ -23,7 +23,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 STATS: Counter[str] = Counter()
 """Payload bytes per collective kind on this process (``"all_reduce"``, ``"reduce"``; ``"broadcast"``
 counts what this rank sends as source, ``"send"`` what it sends point to point, ``"all_to_all"`` what it
-sends to other ranks; ``"easgd_all_reduce"`` the EASGD weights' all-reduce, :mod:`ds_kfac.easgd`), and call counts
+sends to other ranks; ``"easgd_all_reduce"`` the EASGD weights' all-reduce, :mod:`ds_kfac.easgd`; ``"tp_gather"`` and ``"tp_scatter"`` what this rank sends
+to other ranks of its tensor-parallel group, :func:`gather_`, :func:`scatter_`), and call counts
 (``"<kind>_calls"``)."""
 
 
@@ -209,3 +210,28 @@ def unpack_symmetric(packed: torch.Tensor, dim: int) -> torch.Tensor:
     out[rows, cols] = packed
     out[cols, rows] = packed
     return out
+
+
+def gather_(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> Optional[list[torch.Tensor]]:
+    """Every rank's ``tensor`` (same shape and dtype on all) on rank ``dst`` of ``group``, in group-rank order;
+    ``None`` on the others. ``"tp_gather"`` counts what a rank sends to ``dst``."""
+    me = dist.get_rank(group)
+    tensor = tensor.contiguous()
+    if me != dst:
+        STATS["tp_gather"] += tensor.numel() * tensor.element_size()
+        STATS["tp_gather_calls"] += 1
+        dist.gather(tensor, None, dst=dist.get_global_rank(group, dst), group=group)
+        return None
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.gather(tensor, out, dst=dist.get_global_rank(group, dst), group=group)
+    return out
+
+
+def scatter_(out: torch.Tensor, pieces: Optional[Sequence[torch.Tensor]], src: int, group: dist.ProcessGroup) -> None:
+    """Rank ``src`` of ``group`` sends ``pieces[r]`` to rank ``r``, which receives it into ``out`` (its shape and
+    dtype). ``"tp_scatter"`` counts what ``src`` sends to the other ranks."""
+    if dist.get_rank(group) == src:
+        pieces = [p.contiguous() for p in pieces]
+        STATS["tp_scatter"] += sum(p.numel() * p.element_size() for i, p in enumerate(pieces) if i != src)
+        STATS["tp_scatter_calls"] += 1
+    dist.scatter(out, pieces, src=dist.get_global_rank(group, src), group=group)

@@ -118,6 +118,7 @@ class KFACConfig(BaseModel):
     skip_layers: list[str] = []
     max_factor_dim: _number(POSITIVE_INTEGER) = 8192
     conv_factors: Literal["expand", "reduce"] = "expand"
+    tensor_parallel_factors: Literal["exact", "shard"] = "exact"
     factor_dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     inv_dtype: Literal["float32", "float64"] = "float32"
     symmetric_comm: bool = False

@@ -30,6 +30,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from ..comm import all_reduce_sum_
 from ..config import KFACConfig
@@ -46,8 +47,8 @@ class KFACEngine(DeepSpeedEngine):
     """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
 
     Built by :func:`ds_kfac.initialize`, which first refuses the setups this
-    engine does not support (ZeRO 3 without mem-opt, offload, pipeline, tensor parallelism,
-    the hybrid engine, fp16 at stage 0).
+    engine does not support (ZeRO 3 without mem-opt, offload, pipeline, tensor parallelism other than
+    Megatron's at ZeRO stage 0, the hybrid engine, fp16 at stage 0).
     """
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
@@ -65,11 +66,14 @@ class KFACEngine(DeepSpeedEngine):
         )
         self._preconditioning_verified = False
 
-    def _gradient_layout(self) -> GradientLayout:
-        """Where this engine's ZeRO stage keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`)."""
+    def _gradient_layout(self) -> Optional[GradientLayout]:
+        """Where this engine's ZeRO stage 1-3 keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`);
+        ``None`` at stage 0: each parameter's whole ``.grad``, the preconditioner's default (which also knows
+        tensor-parallel layers)."""
         stage = self.zero_optimization_stage()
-        group = self.optimizer.dp_process_group if stage else self.data_parallel_group
-        return zero_layout(stage, group, self._loss_scale)
+        if stage == 0:
+            return None
+        return zero_layout(stage, self.optimizer.dp_process_group, self._loss_scale)
 
     def _kfac_group(self) -> dist.ProcessGroup:
         """The ranks whose factors K-FAC combines: the data-parallel group."""
@@ -180,14 +184,28 @@ class KFACEngine(DeepSpeedEngine):
         return path, client_state
 
     def _kfac_state_file(self) -> str:
-        """The name of K-FAC's state file in a checkpoint's tag directory."""
-        return STATE_FILE
+        """The name of K-FAC's state file in a checkpoint's tag directory: with tensor parallelism one per
+        tensor-parallel rank ``r`` of ``n``, ``kfac_state_tp<r>of<n>.pt``, holding the whole factors of the layers
+        that rank preconditions (those it owns under ``exact``)."""
+        size = bwc_tensor_model_parallel_world_size(self.mpu)
+        if size <= 1:
+            return STATE_FILE
+        return f"kfac_state_tp{self.mpu.get_tensor_model_parallel_rank()}of{size}.pt"
 
 
 def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
     """K-FAC's state from file ``name`` of a checkpoint's tag directory, as saved (CPU tensors, plain containers
     only)."""
     path = os.path.join(checkpoint, name)
+    others = (
+        sorted(f for f in os.listdir(checkpoint) if f.startswith("kfac_state")) if os.path.isdir(checkpoint) else []
+    )
+    if not os.path.isfile(path) and others:
+        raise ValueError(
+            f"checkpoint {checkpoint} has no {name} but {others}: it was saved at another tensor-parallel size, and "
+            f"K-FAC's per-rank state cannot be resharded; resume at the same size, or pass "
+            f"load_optimizer_states=False to start K-FAC fresh from its weights"
+        )
     if not os.path.isfile(path):
         raise ValueError(
             f"checkpoint {checkpoint} has no K-FAC state (no {name}: saved without ds_kfac, with K-FAC "

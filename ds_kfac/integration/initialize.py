@@ -24,6 +24,7 @@ import copy
 import difflib
 import functools
 import re
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -202,10 +203,7 @@ def _refuse_unsupported(
         problems.append("pipeline parallelism (PipelineModule)")
     if mesh_param is not None or "sequence_parallel_size" in config:
         problems.append("sequence/mesh parallelism")
-    if mpu is not None:
-        problems.append(
-            f"model/tensor parallelism (mpu={type(mpu).__name__}; K-FAC's factors would be those of each rank's shard)"
-        )
+    problems += _refuse_mpu(mpu, stage)
     autotp = cfg.tensor_parallel_config.autotp_size
     if autotp > 1:
         problems.append(f"tensor_parallel.autotp_size={autotp} (AutoTP tensor parallelism; supported: 0, 1)")
@@ -213,6 +211,40 @@ def _refuse_unsupported(
         problems.append("hybrid_engine.enabled=true (DeepSpeedHybridEngine, RLHF generation)")
     if problems:
         raise KFACConfigError("K-FAC does not support yet: " + "; ".join(problems))
+
+
+def _refuse_mpu(mpu: Any, stage: int) -> list[str]:
+    """What K-FAC does not support of a model-parallel ``mpu``: anything but Megatron's tensor parallelism
+    (``megatron.core.parallel_state``, :class:`~ds_kfac.integration.megatron.MegatronMPU`) at ZeRO stage 0."""
+    if mpu is None:
+        return []
+    if not _is_megatron(mpu):
+        return [f"model parallelism through mpu={type(mpu).__name__} (supported: megatron.core.parallel_state)"]
+    problems = []
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        problems.append("Megatron pipeline parallelism (pipeline_model_parallel_size > 1)")
+    if stage > 0 and mpu.get_tensor_model_parallel_world_size() > 1:
+        problems.append(
+            f"ZeRO stage {stage} with Megatron tensor parallelism (K-FAC needs each shard's whole gradient: stage 0)"
+        )
+    return problems
+
+
+def _is_megatron(mpu: Any) -> bool:
+    """Whether ``mpu`` is Megatron's ``parallel_state`` (as the user passes it, or wrapped by :func:`initialize`)."""
+    if mpu is sys.modules.get("megatron.core.parallel_state"):
+        return True
+    megatron = sys.modules.get("ds_kfac.integration.megatron")
+    return megatron is not None and isinstance(mpu, megatron.MegatronMPU)
+
+
+def _as_deepspeed_mpu(mpu: Any) -> Any:
+    """Megatron's ``parallel_state`` wrapped so that DeepSpeed's engine finds what it asks of an ``mpu``."""
+    if mpu is None or mpu is not sys.modules.get("megatron.core.parallel_state"):
+        return mpu
+    from .megatron import MegatronMPU
+
+    return MegatronMPU(mpu)
 
 
 def initialize(
@@ -251,6 +283,8 @@ def initialize(
     )
     if optimizer is None:
         optimizer = _optimizer_from_json(config, model, model_parameters)
+    if kfac_config.enabled:
+        mpu = _as_deepspeed_mpu(mpu)
     common = dict(
         args=args,
         model=model,

@@ -17,7 +17,7 @@ from torch import nn
 from ..comm import all_to_all_, data_parallel_rank, data_parallel_world
 from ..curvature import KFACBlock, blocks_device
 from ..layers import param_shape
-from ..placement import Fragment, GradientLayout, PartitionedGradients, WholeGradients
+from ..placement import Fragment, GradientLayout, PartitionedGradients
 from ..placement.gradients import Gathered, Workers
 
 
@@ -162,9 +162,7 @@ class Zero3Gradients(GradientLayout):
 
 
 def zero_layout(stage: int, group: Optional[dist.ProcessGroup], grad_scale: Callable[[], float]) -> GradientLayout:
-    """The gradient layout of ZeRO ``stage`` over the data-parallel ``group``."""
-    if stage == 0:
-        return WholeGradients()
+    """The gradient layout of ZeRO ``stage`` (1-3) over the data-parallel ``group``."""
     if stage == 3:
         return Zero3Gradients(group, grad_scale)
     return Zero12Gradients(group, grad_scale)

@@ -4,12 +4,15 @@ from .base import LayerAdapter, UnsupportedLayerError, param_shape
 from .conv2d import Conv2dAdapter
 from .linear import LinearAdapter
 from .registry import SkippedLayer, adapter_for, find_layers, register_adapter
+from .tensor_parallel import TensorParallelAdapter, TensorParallelFactors
 
 __all__ = [
     "Conv2dAdapter",
     "LayerAdapter",
     "LinearAdapter",
     "SkippedLayer",
+    "TensorParallelAdapter",
+    "TensorParallelFactors",
     "UnsupportedLayerError",
     "adapter_for",
     "find_layers",

@@ -11,7 +11,7 @@ serves plain PyTorch, DeepSpeed and ZeRO-partitioned gradients.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,10 @@ class LayerAdapter(ABC):
     def batch_size(self, x: torch.Tensor) -> int:
         """Micro-batch size ``B`` of one input (dim 0; 1 for an unbatched input)."""
         return x.shape[0] if x.dim() > 1 else 1
+
+    def output_of(self, output: Any) -> Optional[torch.Tensor]:
+        """The tensor of the module's output whose gradient gives the rows of ``G`` (the output itself)."""
+        return output if isinstance(output, torch.Tensor) else None
 
     @abstractmethod
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:

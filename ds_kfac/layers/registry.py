@@ -7,8 +7,10 @@ count), never by class-name strings. New module types plug in with
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -19,10 +21,22 @@ from torch import nn
 from .base import LayerAdapter
 from .conv2d import Conv2dAdapter
 from .linear import LinearAdapter
+from .tensor_parallel import TensorParallelAdapter, TensorParallelFactors
 
 logger = logging.getLogger(__name__)
 
 _ADAPTERS: dict[type[nn.Module], type[LayerAdapter]] = {nn.Linear: LinearAdapter, nn.Conv2d: Conv2dAdapter}
+
+
+OPTIONAL_ADAPTERS = {"megatron.core.tensor_parallel": "ds_kfac.integration.megatron"}
+"""Adapters for optional libraries: once the library is imported (a model uses it), :func:`find_layers` imports
+their module, which registers them (``import ds_kfac`` itself never imports the library)."""
+
+
+def _load_optional_adapters() -> None:
+    for library, module in OPTIONAL_ADAPTERS.items():
+        if library in sys.modules:
+            importlib.import_module(module)
 
 
 def register_adapter(module_type: type[nn.Module], adapter: type[LayerAdapter]) -> None:
@@ -55,10 +69,12 @@ def find_layers(
     max_factor_dim: int = 8192,
     conv_factors: Literal["expand", "reduce"] = "expand",
     warn: bool = True,
+    tensor_parallel_factors: TensorParallelFactors = "exact",
 ) -> tuple[list[tuple[str, LayerAdapter]], list[SkippedLayer]]:
     """Adapters for the model's supported modules, in ``named_modules`` order,
     and the supported modules that were skipped, with why. Conv2d adapters get
-    ``conv_factors`` (K-FAC-expand or K-FAC-reduce rows).
+    ``conv_factors`` (K-FAC-expand or K-FAC-reduce rows), tensor-parallel ones
+    ``tensor_parallel_factors`` (:mod:`ds_kfac.layers.tensor_parallel`).
 
     A module is skipped when its name matches one of ``skip_layers`` (``re.search``),
     when its weight is frozen (a frozen bias alone is left out of the layer's
@@ -72,6 +88,7 @@ def find_layers(
     Skips are logged at INFO. With ``warn``, a ``UserWarning`` names the layers
     skipped for tied parameters, and another says so when no layer is registered.
     """
+    _load_optional_adapters()
     patterns = [re.compile(p) for p in skip_layers]
     owners = _owners(model)
     layers: list[tuple[str, LayerAdapter]] = []
@@ -86,8 +103,12 @@ def find_layers(
             skipped.append(SkippedLayer(name, f"name matches skip_layers pattern {hit!r}"))
             continue
         try:
-            is_conv = issubclass(adapter_cls, Conv2dAdapter)
-            adapter = adapter_cls(module, conv_factors=conv_factors) if is_conv else adapter_cls(module)
+            if issubclass(adapter_cls, Conv2dAdapter):
+                adapter = adapter_cls(module, conv_factors=conv_factors)
+            elif issubclass(adapter_cls, TensorParallelAdapter):
+                adapter = adapter_cls(module, tensor_parallel_factors=tensor_parallel_factors)
+            else:
+                adapter = adapter_cls(module)
         except ValueError as err:
             raise type(err)(f"layer {name!r}: {err}; add it to skip_layers to train it without K-FAC") from None
         if not adapter.params()[0].requires_grad:

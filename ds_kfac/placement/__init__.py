@@ -3,6 +3,7 @@
 from .distributor import Distributor
 from .gradients import Fragment, GradientLayout, PartitionedGradients, WholeGradients
 from .plan import LayerPlacement, LayerShape, PlacementPlan, lpt, workers_per_layer
+from .tensor_parallel import TensorParallelGradients, TensorParallelLayers, split_tensor_parallel
 
 __all__ = [
     "Distributor",
@@ -12,7 +13,10 @@ __all__ = [
     "LayerShape",
     "PartitionedGradients",
     "PlacementPlan",
+    "TensorParallelGradients",
+    "TensorParallelLayers",
     "WholeGradients",
     "lpt",
+    "split_tensor_parallel",
     "workers_per_layer",
 ]

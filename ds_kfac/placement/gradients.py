@@ -101,6 +101,11 @@ class GradientLayout(ABC):
         fewer than all ranks are (``None``: the placement plan chooses them freely)."""
         return None
 
+    def counts(self, block: KFACBlock) -> bool:
+        """Whether this rank's part of the KL-clip sum over the model-parallel group counts the layer (where
+        several ranks of the group hold copies of it, one does)."""
+        return True
+
     def has_gradients(self, blocks: Sequence[KFACBlock]) -> bool:
         """Whether this rank holds a gradient for any of the blocks' parameters (no communication)."""
         return any(self.fragment(p) is not None for b in blocks for p in b.adapter.params())

@@ -153,6 +153,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "skip_layers": ["pooler", [1], None, {"pooler": 1}],
     "max_factor_dim": ["8192", True, 8192.5, None],
     "conv_factors": [None, 1],
+    "tensor_parallel_factors": [None, "full"],
     "factor_dtype": [32, None],
     "inv_dtype": [64, None],
     "symmetric_comm": ["false", 0],

@@ -187,7 +187,7 @@ def test_renamed_zero_internal_raises_naming_the_layers(engines: list[Any], monk
 
 
 REFUSED = {
-    "mpu": ({}, {"mpu": object()}, "model/tensor parallelism (mpu=object"),
+    "mpu": ({}, {"mpu": object()}, "model parallelism through mpu=object (supported: megatron.core.parallel_state)"),
     "autotp": ({"tensor_parallel": {"autotp_size": 2}}, {}, "tensor_parallel.autotp_size=2 (AutoTP"),
     "hybrid engine": ({"hybrid_engine": {"enabled": True}}, {}, "hybrid_engine.enabled=true (DeepSpeedHybridEngine"),
 }
@@ -195,8 +195,9 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_tensor_parallelism_and_hybrid_engine_refused(case: str, engines: list[Any]) -> None:
-    """Issue 14, item 12 (d): tensor parallelism (an ``mpu``, AutoTP) and the hybrid engine are refused at
-    ``initialize``, in the message that names every unsupported part of the setup."""
+    """Issue 14, item 12 (d): tensor parallelism other than Megatron's (another ``mpu``, AutoTP) and the hybrid
+    engine are refused at ``initialize``, in the message that names every unsupported part of the setup (Megatron's
+    refusals: ``tests/test_tensor_parallel.py``)."""
     section, kwargs, message = REFUSED[case]
     model = problem.make_model()
     with pytest.raises(ds_kfac.KFACConfigError, match="K-FAC does not support yet: ") as error:
