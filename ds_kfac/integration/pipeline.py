@@ -1,0 +1,121 @@
+"""A DeepSpeed pipeline engine that preconditions gradients with K-FAC.
+
+:class:`KFACPipelineEngine` is a subclass of ``deepspeed.runtime.pipe.PipelineEngine``; the user's loop stays
+``engine.train_batch()``. Each stage's rank preconditions the layers of its own stage:
+
+* module hooks gather factors during every micro-batch's forward and backward (the last stage back-propagates
+  ``loss / gradient_accumulation_steps`` through ``DeepSpeedEngine.backward``, the other stages the gradients
+  they receive from the next stage, which carry the same scale: ``G`` is unscaled by the micro-batch count);
+* the pipeline's ``OptimizerStep`` instruction runs ``PipelineEngine._exec_optimizer_step``, which calls
+  :meth:`_take_model_step` after the ``ReduceTiedGrads`` and ``ReduceGrads`` instructions have reduced the
+  gradients over the stage's data-parallel group: K-FAC preconditions there, before DeepSpeed clips them and
+  runs the base optimizer, with the same skip-step handling as :class:`~ds_kfac.KFACEngine`;
+* factors are averaged, and placement balances work, over the stage's data-parallel group (the grid's
+  ``get_data_parallel_group()``); the KL clip's sum is completed over the pipeline's stages (the grid's
+  ``get_model_parallel_group()``), so every rank scales by the same ``nu``;
+* the pipeline engine's ``is_gradient_accumulation_boundary()`` is False during every backward pass, so with
+  several micro-batches the factors are reduced at the step, not overlapped with the last backward pass;
+* layers tied across stages (``TiedLayerSpec``) are skipped with a warning: each stage would precondition its
+  copy with factors of its own uses only, and the copies' all-reduced gradient would no longer agree;
+* every stage must have a layer K-FAC preconditions (checked when the engine is built);
+* a checkpoint keeps each stage's K-FAC state in ``kfac_state_pp<stage>.pt``, written by the stage's
+  data-parallel rank 0; a checkpoint of another number of stages is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..checkpoint import CheckedState
+from ..comm import all_reduce_sum_
+from ..config import KFACConfig
+from .engine import KFACEngineMixin
+
+STAGE_STATE_FILE = re.compile(r"kfac_state_pp(\d+)\.pt")
+"""K-FAC's state of one pipeline stage in a checkpoint's tag directory."""
+
+
+class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
+    """``PipelineEngine`` plus K-FAC on this rank's stage; the preconditioner is :attr:`kfac`.
+
+    Built by :func:`ds_kfac.initialize` for a ``PipelineModule``, which first refuses the setups this engine
+    does not support (see the README's "Pipeline parallelism")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._refuse_stages_without_layers()
+
+    def _refuse_stages_without_layers(self) -> None:
+        """Raise on every rank if some stage registered no K-FAC layer: its preconditioner would skip every step,
+        leaving the others' per-step collectives over the stages (the KL clip's sum) without it."""
+        counts = torch.zeros(self.num_stages, dtype=torch.int32, device=self.device)
+        counts[self.stage_id] = len(self.kfac.blocks)
+        all_reduce_sum_([counts], self.grid.get_pipe_parallel_group())
+        empty = [stage for stage, n in enumerate(counts.tolist()) if n == 0]
+        if empty:
+            raise ValueError(
+                f"pipeline stages {empty} have no layer K-FAC preconditions (all skipped, tied across stages, or of "
+                f"no supported type; see the warnings): K-FAC needs one on every stage. Partition the model "
+                f"otherwise (PipelineModule's partition_method) or change skip_layers"
+            )
+
+    def _kfac_config(self, config: KFACConfig) -> KFACConfig:
+        """The user's configuration, with the layers tied across stages added to ``skip_layers``."""
+        tied = sorted(f"tied_modules.{key}" for key, comm in self.module.tied_comms.items() if len(comm["ranks"]) > 1)
+        if not tied:
+            return config
+        if self.grid.get_data_parallel_rank() == 0:
+            warnings.warn(
+                f"K-FAC skips the layers tied across pipeline stages (TiedLayerSpec) {tied}: each stage would "
+                f"precondition its copy with the factors of its own uses only; the base optimizer trains them",
+                UserWarning,
+                stacklevel=2,
+            )
+        patterns = [rf"^{re.escape(name)}(\.|$)" for name in tied]
+        return config.model_copy(update={"skip_layers": [*config.skip_layers, *patterns]})
+
+    def _last_micro_batch(self) -> Optional[Callable[[], bool]]:
+        """None: the pipeline's ``is_gradient_accumulation_boundary()`` is False during every backward pass
+        (it is True only inside its ``ReduceGrads`` and ``OptimizerStep`` instructions), so factors are
+        reduced at the step (with one micro-batch every backward pass is the last, and they still overlap)."""
+        return None
+
+    def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        """``DeepSpeedEngine._take_model_step`` (clipping, base optimizer, scheduler) on preconditioned gradients:
+        ``PipelineEngine._exec_optimizer_step`` calls it after the data-parallel and tied-gradient reductions."""
+        base_step = super()._take_model_step
+        self._kfac_step(lambda: base_step(lr_kwargs))
+
+    # ------------------------------------------------------------ checkpoints
+    def _kfac_state_file(self) -> str:
+        return f"kfac_state_pp{self.stage_id}.pt"
+
+    def _checked_state(self, checkpoint: str) -> CheckedState:
+        """This stage's K-FAC state, checked; a checkpoint of another number of stages, or a state that fails
+        its check on any stage, raises ``ValueError`` on every rank before DeepSpeed loads anything."""
+        names = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
+        saved = sorted(n for n in names if STAGE_STATE_FILE.fullmatch(n))
+        if saved and len(saved) != self.num_stages:
+            raise ValueError(
+                f"checkpoint {checkpoint} holds the K-FAC state of {len(saved)} pipeline stages ({', '.join(saved)}) "
+                f"but this pipeline has {self.num_stages}: resume with the number of stages it was saved with, or "
+                f"pass load_optimizer_states=False to start K-FAC fresh from its weights"
+            )
+        checked: Optional[CheckedState] = None
+        try:
+            checked = super()._checked_state(checkpoint)
+        finally:  # the stages read different files: all of them learn whether one failed
+            failed = torch.tensor([checked is None], dtype=torch.int32, device=self.device)
+            all_reduce_sum_([failed], self.grid.get_pipe_parallel_group())
+        if int(failed[0]):  # another stage failed (this one would have raised its own error above)
+            raise ValueError(
+                f"the K-FAC state of another pipeline stage in checkpoint {checkpoint} cannot be loaded (its ranks "
+                f"raised the reason); nothing was loaded"
+            )
+        return checked
