@@ -22,9 +22,13 @@ MICRO = 2
 KFAC = {"damping": 0.01, "kl_clip": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, summation orders differ
 
+BF16_ZERO1 = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "pp2": {"stages": 2, "ga": 2, "steps": 3},
     "tied": {"stages": 2, "ga": 2, "steps": 2, "tied": True},
+    "pp2_activation_checkpointing": {"stages": 2, "ga": 2, "steps": 3, "checkpoint_interval": 1},
+    "pp2_bf16_zero1": {"stages": 2, "ga": 2, "steps": 3, "ds": BF16_ZERO1},
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     "pp2_dp2": {"stages": 2, "ga": 2, "steps": 4},  # saved after step 2
@@ -38,8 +42,14 @@ FOUR_RANKS: dict[str, dict[str, Any]] = {
     },
     "one_stage_loads_two": {"stages": 1, "ga": 1, "steps": 4, "expect_error": True},
 }
-REFERENCES = {"pp2": (2, 3), "pp2_dp2": (4, 4), "pp2_dp2_mem_opt_zero1_ga1": (2, 3)}
-"""Each compared run's non-pipelined reference: (micro-batches on the one rank, steps)."""
+REFERENCES = {
+    "pp2": (2, 3, {}),
+    "pp2_activation_checkpointing": (2, 3, {}),
+    "pp2_bf16_zero1": (2, 3, BF16_ZERO1),
+    "pp2_dp2": (4, 4, {}),
+    "pp2_dp2_mem_opt_zero1_ga1": (2, 3, {}),
+}
+"""Each compared run's non-pipelined reference: (micro-batches on the one rank, steps, DeepSpeed overrides)."""
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +69,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return results
 
 
-def reference(micro_batches: int, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(micro_batches: int, steps: int, ds: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The model's weights and each step's ``nu`` trained non-pipelined on one rank (``ds_kfac.initialize``)."""
-    cfg = ds_worker.config({"micro": MICRO, "ga": micro_batches, "kfac": KFAC}, 1)
+    cfg = ds_worker.config({"micro": MICRO, "ga": micro_batches, "kfac": KFAC, "ds": ds}, 1)
     engine, *_ = ds_kfac.initialize(model=problem.make_model(), config=cfg)
+    dtype = next(engine.module.parameters()).dtype
     nus = []
     for step in range(steps):
         x, y = problem.global_batch(step, MICRO * micro_batches)
         for m in range(micro_batches):
             rows = slice(m * MICRO, (m + 1) * MICRO)
-            engine.backward(problem.loss_fn(engine(x[rows]), y[rows]))
+            engine.backward(problem.loss_fn(engine(x[rows].to(dtype)), y[rows]))
             engine.step()
         nus.append(float(engine.kfac.last_nu))
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
@@ -94,7 +105,7 @@ def test_pipeline_equals_the_non_pipelined_run(name: str, runs: dict[str, list[d
         torch.testing.assert_close(torch.tensor(r["nus"]), torch.tensor(nus), **TOL)
     assert max(nus) < 1.0
     plain = problem.make_model().state_dict()
-    assert not all(torch.allclose(plain[k], v) for k, v in params.items())
+    assert not all(torch.allclose(plain[k], v.float()) for k, v in params.items())
 
 
 def test_overlap_with_one_micro_batch_and_mem_opt_placement(runs: dict[str, list[dict]]) -> None:

@@ -228,8 +228,13 @@ def _pipeline_problems(cfg: DeepSpeedConfig, model: PipelineModule, mpu: Any) ->
             f"zero_optimization.stage={stage} with pipeline parallelism (DeepSpeed's PipelineEngine runs stages 0 "
             f"and 1 only)"
         )
-    if cfg.float16_config.enabled or cfg.bfloat16_config.enabled:
-        problems.append("fp16/bf16 with pipeline parallelism (not verified with K-FAC yet; use fp32)")
+    if cfg.float16_config.enabled:
+        problems.append("fp16 with pipeline parallelism (not verified with K-FAC: needs CUDA; use bf16 at ZeRO 1)")
+    if cfg.bfloat16_config.enabled and stage == 0:
+        problems.append(
+            "bf16 at ZeRO stage 0 with pipeline parallelism (DeepSpeed's pipeline then uses its BF16_Optimizer, "
+            "whose gradients K-FAC does not read; use ZeRO stage 1)"
+        )
     if mpu is not None:
         problems.append(
             f"mpu={type(mpu).__name__} with a PipelineModule (the pipeline's grid is its mpu; deepspeed.initialize "

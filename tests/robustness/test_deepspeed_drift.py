@@ -222,7 +222,8 @@ def test_tensor_parallelism_and_hybrid_engine_refused(case: str, engines: list[A
 
 PIPELINE_REFUSED = {
     "zero2": ({"zero_optimization": {"stage": 2}}, {}, "zero_optimization.stage=2 with pipeline parallelism"),
-    "bf16": ({"bf16": {"enabled": True}}, {}, "fp16/bf16 with pipeline parallelism"),
+    "bf16 zero0": ({"bf16": {"enabled": True}}, {}, "bf16 at ZeRO stage 0 with pipeline parallelism"),
+    "fp16": ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}, {}, "fp16 with pipeline parallelism"),
     "mpu": ({}, {"mpu": object()}, "mpu=object with a PipelineModule"),
     "dualpipev": ({}, {"cls": DualPipeVModule}, "DualPipeV pipelines (DualPipeVModule"),
 }
@@ -230,8 +231,8 @@ PIPELINE_REFUSED = {
 
 @pytest.mark.parametrize("case", list(PIPELINE_REFUSED))
 def test_pipeline_setups_k_fac_does_not_support_are_refused(case: str, engines: list[Any]) -> None:
-    """Issue 11, item 3: with a ``PipelineModule``, ZeRO >= 2 (which DeepSpeed's pipeline refuses too), mixed
-    precision, a user's mpu and DualPipeV are refused at ``initialize``, naming what is wrong; plain fp32 at
+    """Issue 11, item 3: with a ``PipelineModule``, ZeRO >= 2 (which DeepSpeed's pipeline refuses too), fp16,
+    bf16 at ZeRO 0 (DeepSpeed's BF16_Optimizer), a user's mpu and DualPipeV are refused at ``initialize``, naming what is wrong; plain fp32 at
     ZeRO 0 builds a :class:`KFACPipelineEngine`."""
     section, kwargs, message = PIPELINE_REFUSED[case]
     model = _pipeline_model(kwargs.pop("cls", PipelineModule))

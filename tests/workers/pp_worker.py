@@ -6,7 +6,8 @@ and trains ``steps`` optimizer steps with ``engine.train_batch()`` on ``ga`` mic
 data-parallel rank: data-parallel rank ``d``'s micro-batch ``m`` of step ``s`` is rows ``(m * dp + d) * micro ...``
 of ``problem.global_batch(s, ...)``, as in ``ds_worker``. Scenario keys: ``stages``, ``ds`` (DeepSpeed config
 overrides), ``kfac``, ``steps``, ``micro``, ``ga``, ``save`` / ``load`` (as in ``ds_worker``), ``tied`` (a model
-whose first and last Linear are one ``TiedLayerSpec``), ``expect_error``. Records this rank's stage weights,
+whose first and last Linear are one ``TiedLayerSpec``), ``checkpoint_interval`` (``PipelineModule``'s
+``activation_checkpoint_interval``), ``expect_error``. Records this rank's stage weights,
 K-FAC's layers and ``nu``.
 """
 
@@ -37,14 +38,19 @@ def pipeline_model(scenario: dict) -> PipelineModule:
         layers.append(pad)
     else:
         layers = list(problem.make_model())
-    return PipelineModule(layers=layers, num_stages=scenario["stages"], loss_fn=problem.loss_fn)
+    interval = scenario.get("checkpoint_interval", 0)
+    return PipelineModule(
+        layers=layers, num_stages=scenario["stages"], loss_fn=problem.loss_fn, activation_checkpoint_interval=interval
+    )
 
 
-def batches(step: int, micro: int, ga: int, dp: int, dp_rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    step: int, micro: int, ga: int, dp: int, dp_rank: int, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     x, y = problem.global_batch(step, micro * ga * dp)
     for m in range(ga):
         rows = slice((m * dp + dp_rank) * micro, (m * dp + dp_rank + 1) * micro)
-        yield x[rows], y[rows]
+        yield x[rows].to(dtype), y[rows]
 
 
 def run(scenario: dict) -> dict:
@@ -68,9 +74,10 @@ def train(scenario: dict) -> dict:
     if "load" in scenario:
         engine.load_checkpoint(scenario["load"])
     kfac, dp_rank = engine.kfac, engine.grid.get_data_parallel_rank()
+    dtype = next(engine.module.parameters()).dtype
     nus = []
     for step in range(kfac.steps, scenario["steps"]):
-        engine.train_batch(data_iter=batches(step, micro, ga, dp, dp_rank))
+        engine.train_batch(data_iter=batches(step, micro, ga, dp, dp_rank, dtype))
         nus.append(None if kfac.last_nu is None else float(kfac.last_nu))
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
