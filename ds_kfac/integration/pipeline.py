@@ -13,8 +13,9 @@
 * factors are averaged, and placement balances work, over the stage's data-parallel group (the grid's
   ``get_data_parallel_group()``); the KL clip's sum is completed over the pipeline's stages (the grid's
   ``get_model_parallel_group()``), so every rank scales by the same ``nu``;
-* the pipeline engine's ``is_gradient_accumulation_boundary()`` is False during every backward pass, so with
-  several micro-batches the factors are reduced at the step, not overlapped with the last backward pass;
+* the pipeline engine's ``is_gradient_accumulation_boundary()`` is False during every backward pass: the last
+  micro-batch is found by counting the stage's backward passes in :meth:`train_batch`, so a layer's factors
+  start their reduction during the last micro-batch's backward pass through it (``overlap_factor_comm``);
 * layers tied across stages (``TiedLayerSpec``) are skipped with a warning: each stage would precondition its
   copy with factors of its own uses only, and the copies' all-reduced gradient would no longer agree;
 * every stage must have a layer K-FAC preconditions (checked when the engine is built);
@@ -27,7 +28,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -49,7 +50,39 @@ class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._backwards_this_batch = 0
+        self.module.register_forward_hook(self._watch_output)
         self._refuse_stages_without_layers()
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """``PipelineEngine.train_batch``: one optimizer step over ``gradient_accumulation_steps()``
+        micro-batches (their backward passes on this stage are counted from here)."""
+        self._backwards_this_batch = 0
+        return super().train_batch(data_iter)
+
+    def _watch_output(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        """The stage's output with its first differentiable tensor replaced by a view of it whose gradient hook
+        counts the micro-batch's backward pass: that view is the root of the pass, so the hook runs before any
+        layer's (the last layer's output is the stage's output, and its K-FAC hook was registered first)."""
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        if isinstance(output, torch.Tensor):
+            return self._counted(output)
+        if isinstance(output, tuple):
+            i = next((i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if i is not None:
+                return (*output[:i], self._counted(output[i]), *output[i + 1 :])
+        return None
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        root = tensor.view_as(tensor)
+        root.register_hook(self._count_backward)
+        return root
+
+    def _count_backward(self, grad: torch.Tensor) -> None:
+        self._backwards_this_batch += 1
 
     def _refuse_stages_without_layers(self) -> None:
         """Raise on every rank if some stage registered no K-FAC layer: its preconditioner would skip every step,
@@ -81,10 +114,11 @@ class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
         return config.model_copy(update={"skip_layers": [*config.skip_layers, *patterns]})
 
     def _last_micro_batch(self) -> Optional[Callable[[], bool]]:
-        """None: the pipeline's ``is_gradient_accumulation_boundary()`` is False during every backward pass
-        (it is True only inside its ``ReduceGrads`` and ``OptimizerStep`` instructions), so factors are
-        reduced at the step (with one micro-batch every backward pass is the last, and they still overlap)."""
-        return None
+        """Whether the backward pass in progress on this stage is the batch's last (its ``micro_batches``-th).
+
+        The pipeline's ``is_gradient_accumulation_boundary()`` cannot tell: it is False during every backward
+        pass (True only inside its ``ReduceGrads`` and ``OptimizerStep`` instructions)."""
+        return lambda: self._backwards_this_batch == self.micro_batches
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         """``DeepSpeedEngine._take_model_step`` (clipping, base optimizer, scheduler) on preconditioned gradients:
