@@ -28,6 +28,7 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "pp2": {"stages": 2, "ga": 2, "steps": 3},
     "tied": {"stages": 2, "ga": 2, "steps": 2, "tied": True},
     "pp2_bf16_zero1": {"stages": 2, "ga": 2, "steps": 3, "ds": BF16_ZERO1},
+    "stage_1_state_corrupt": {"stages": 2, "ga": 2, "steps": 3, "corrupt": "kfac_state_pp1.pt", "expect_error": True},
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
     "pp2_dp2": {"stages": 2, "ga": 2, "steps": 4},  # saved after step 2
@@ -59,6 +60,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     for world, scenarios in ((2, TWO_RANKS), (4, FOUR_RANKS)):
         out = tmp_path_factory.mktemp(f"pp{world}")
         specs = {name: {"kfac": KFAC, "micro": MICRO, **s} for name, s in scenarios.items()}
+        if world == 2:
+            specs["pp2"]["save"] = {"dir": str(out / "ckpt"), "at": 3}
+            specs["stage_1_state_corrupt"]["load"] = str(out / "ckpt")
         if world == 4:
             ckpt = str(out / "ckpt")
             specs["pp2_dp2"]["save"] = {"dir": ckpt, "at": 2}
@@ -173,3 +177,11 @@ def test_a_stage_without_k_fac_layers_is_refused(one_rank: None) -> None:
     with pytest.warns(UserWarning, match="K-FAC registered no layer"):
         with pytest.raises(ValueError, match=r"pipeline stages \[0\] have no layer K-FAC preconditions"):
             ds_kfac.initialize(model=model, config=cfg)
+
+
+def test_a_stage_state_that_cannot_load_is_refused_on_every_stage(runs: dict[str, list[dict]]) -> None:
+    """Stage 1's K-FAC state file is unreadable: its rank names the file, and stage 0, whose own state is fine,
+    raises too (before DeepSpeed loads anything), instead of loading alone."""
+    stage0, stage1 = runs["stage_1_state_corrupt"]
+    assert "kfac_state_pp1.pt is not a readable K-FAC state" in stage1["error"]
+    assert "the K-FAC state of another pipeline stage" in stage0["error"]

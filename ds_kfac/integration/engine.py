@@ -18,6 +18,9 @@ patched. The user's loop stays ``engine.backward(loss); engine.step()``:
 * a checkpoint keeps K-FAC's state in a file of its own, written by
   data-parallel rank 0 alone and, on load, checked on every rank before
   DeepSpeed loads anything.
+
+All of this but the place of the step lives in :class:`KFACEngineMixin`, which
+:class:`~ds_kfac.integration.pipeline.KFACPipelineEngine` shares.
 """
 
 from __future__ import annotations

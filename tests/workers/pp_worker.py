@@ -7,7 +7,8 @@ data-parallel rank: data-parallel rank ``d``'s micro-batch ``m`` of step ``s`` i
 of ``problem.global_batch(s, ...)``, as in ``ds_worker``. Scenario keys: ``stages``, ``ds`` (DeepSpeed config
 overrides), ``kfac``, ``steps``, ``micro``, ``ga``, ``save`` / ``load`` (as in ``ds_worker``), ``tied`` (a model
 whose first and last Linear are one ``TiedLayerSpec``), ``checkpoint_interval`` (``PipelineModule``'s
-``activation_checkpoint_interval``), ``expect_error``. Records this rank's stage weights,
+``activation_checkpoint_interval``), ``corrupt`` (a file of the checkpoint to load, overwritten first),
+``expect_error``. Records this rank's stage weights,
 K-FAC's layers and ``nu``.
 """
 
@@ -72,6 +73,9 @@ def train(scenario: dict) -> dict:
         engine, *_ = ds_kfac.initialize(model=pipeline_model(scenario), config=cfg)
     micro, ga = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     if "load" in scenario:
+        if "corrupt" in scenario and dist.get_rank() == 0:  # one stage's K-FAC state file, overwritten
+            (Path(scenario["load"]) / "ckpt" / scenario["corrupt"]).write_bytes(b"not a state")
+        dist.barrier()
         engine.load_checkpoint(scenario["load"])
     kfac, dp_rank = engine.kfac, engine.grid.get_data_parallel_rank()
     dtype = next(engine.module.parameters()).dtype
