@@ -235,6 +235,12 @@ def _pipeline_problems(cfg: DeepSpeedConfig, model: PipelineModule, mpu: Any) ->
             "bf16 at ZeRO stage 0 with pipeline parallelism (DeepSpeed's pipeline then uses its BF16_Optimizer, "
             "whose gradients K-FAC does not read; use ZeRO stage 1)"
         )
+    slices = model.mpu().get_slice_parallel_world_size()
+    if slices > 1:
+        problems.append(
+            f"a pipeline topology with a model axis of size {slices} (tensor slicing inside the pipeline: each "
+            f"rank's factors would be those of its shard)"
+        )
     if mpu is not None:
         problems.append(
             f"mpu={type(mpu).__name__} with a PipelineModule (the pipeline's grid is its mpu; deepspeed.initialize "

@@ -242,3 +242,12 @@ def test_pipeline_setups_k_fac_does_not_support_are_refused(case: str, engines: 
     engine, *_ = ds_kfac.initialize(model=_pipeline_model(), config={**BASE, "kfac": {}})
     engines.append(engine)
     assert isinstance(engine, KFACPipelineEngine)
+
+
+def test_pipeline_with_a_model_axis_is_refused(engines: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: a pipeline topology with a model (tensor-slicing) axis is refused (simulated on one rank: the
+    grid reports 2 slices), naming its size."""
+    model = _pipeline_model()
+    monkeypatch.setattr(model._grid, "slice_parallel_size", 2)
+    with pytest.raises(ds_kfac.KFACConfigError, match="a pipeline topology with a model axis of size 2"):
+        ds_kfac.initialize(model=model, config={**BASE, "kfac": {}})
