@@ -25,6 +25,7 @@ _DEEPSPEED_API = {
     "initialize": "initialize",
     "add_config_arguments": "initialize",
     "KFACEngine": "engine",
+    "KFACPipelineEngine": "pipeline",
     "EASGDEngine": "easgd",
     "KFACEASGDEngine": "easgd",
 }
@@ -46,6 +47,7 @@ __all__ = [
     "KFACConfigError",
     "KFACEASGDEngine",
     "KFACEngine",
+    "KFACPipelineEngine",
     "KFACPreconditioner",
     "Lamb",
     "PiecewiseSchedule",

@@ -18,13 +18,16 @@ patched. The user's loop stays ``engine.backward(loss); engine.step()``:
 * a checkpoint keeps K-FAC's state in a file of its own, written by
   data-parallel rank 0 alone and, on load, checked on every rank before
   DeepSpeed loads anything.
+
+All of this but the place of the step lives in :class:`KFACEngineMixin`, which
+:class:`~ds_kfac.integration.pipeline.KFACPipelineEngine` shares.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import deepspeed
 import torch
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
+from ..checkpoint import CheckedState
 from ..comm import all_reduce_sum_
 from ..config import KFACConfig
 from ..placement import GradientLayout
@@ -43,28 +47,40 @@ STATE_FILE = "kfac_state.pt"
 """K-FAC's state in a checkpoint: ``<save_dir>/<tag>/kfac_state.pt``, beside DeepSpeed's files."""
 
 
-class KFACEngine(DeepSpeedEngine):
-    """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
+class KFACEngineMixin:
+    """What every K-FAC engine adds to its DeepSpeed engine class: the preconditioner (:attr:`kfac`), the
+    precondition-step-finish/restore sequence around the engine's model step (:meth:`_kfac_step`), the check
+    that preconditioning reached the gradients, monitor events, and K-FAC's state in checkpoints.
 
-    Built by :func:`ds_kfac.initialize`, which first refuses the setups this
-    engine does not support (ZeRO 3 without mem-opt, offload, pipeline, tensor parallelism other than
-    Megatron's at ZeRO stage 0, the hybrid engine, fp16 at stage 0).
+    Mixed in before a ``DeepSpeedEngine`` subclass: :class:`KFACEngine` (``engine.step()``) and
+    :class:`~ds_kfac.integration.pipeline.KFACPipelineEngine` (``engine.train_batch()``).
     """
+
+    kfac: KFACPreconditioner
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kfac = KFACPreconditioner(
             self.module,
-            kfac_config,
+            self._kfac_config(kfac_config),
             lr=lambda step: self.get_lr()[0],
             accumulation_steps=self.gradient_accumulation_steps(),
             loss_scale=self._loss_scale,
-            boundary=self.is_gradient_accumulation_boundary,
+            boundary=self._last_micro_batch(),
             process_group=self._kfac_group(),
             layout=self._gradient_layout(),
             model_parallel_group=self._model_parallel_group(),
         )
         self._preconditioning_verified = False
+
+    def _kfac_config(self, config: KFACConfig) -> KFACConfig:
+        """The configuration the preconditioner gets: the user's."""
+        return config
+
+    def _last_micro_batch(self) -> Optional[Callable[[], bool]]:
+        """Whether the micro-batch being back-propagated ends the optimizer step (for overlapped factor
+        reduction): DeepSpeed's accumulation boundary."""
+        return self.is_gradient_accumulation_boundary
 
     def _gradient_layout(self) -> Optional[GradientLayout]:
         """Where this engine's ZeRO stage 1-3 keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`);
@@ -91,15 +107,14 @@ class KFACEngine(DeepSpeedEngine):
         """The scale the gradients carry: ZeRO 1-3 scale the loss in ``engine.backward`` (fp16)."""
         return float(self.optimizer.loss_scale) if self.zero_optimization_stage() > 0 else 1.0
 
-    def step(self, lr_kwargs: Optional[dict] = None) -> None:
-        if not self.is_gradient_accumulation_boundary():
-            super().step(lr_kwargs)
-            return
+    def _kfac_step(self, model_step: Callable[[], None]) -> None:
+        """Precondition the reduced gradients, run ``model_step`` (DeepSpeed's clipping and base optimizer),
+        then advance K-FAC, or undo its step if DeepSpeed skipped the update (fp16/bf16 overflow)."""
         snapshot = self.kfac.snapshot()
         preconditioned = self.kfac.precondition_gradients()
         if preconditioned and not self._preconditioning_verified:
             self._verify_preconditioning()
-        super().step(lr_kwargs)
+        model_step()
         if not preconditioned:
             return
         if self.was_step_applied():
@@ -153,7 +168,8 @@ class KFACEngine(DeepSpeedEngine):
     def save_checkpoint(
         self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None, **kwargs: Any
     ) -> Any:
-        """``DeepSpeedEngine.save_checkpoint``, with K-FAC's state in ``<save_dir>/<tag>/kfac_state.pt``.
+        """``DeepSpeedEngine.save_checkpoint``, with K-FAC's state in ``<save_dir>/<tag>/kfac_state.pt``
+        (:meth:`_kfac_state_file`).
 
         The state is gathered to data-parallel rank 0 only, which writes it before DeepSpeed
         writes anything (so before the ``latest`` file names the new tag)."""
@@ -177,20 +193,42 @@ class KFACEngine(DeepSpeedEngine):
         tag = tag_to_load(self, load_dir, tag)
         if tag is None:  # no checkpoint named: DeepSpeed warns and loads nothing
             return super().load_checkpoint(load_dir, tag, **kwargs)
-        checked = self.kfac.check_state_dict(_read_state(os.path.join(load_dir, tag), self._kfac_state_file()))
+        checked = self._checked_state(os.path.join(load_dir, tag))
         path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
         if path is not None:
             self.kfac.load_state_dict(checked)
         return path, client_state
 
+    def _checked_state(self, checkpoint: str) -> CheckedState:
+        """K-FAC's state in tag directory ``checkpoint``, read and checked against this preconditioner."""
+        return self.kfac.check_state_dict(_read_state(checkpoint, self._kfac_state_file()))
+
     def _kfac_state_file(self) -> str:
-        """The name of K-FAC's state file in a checkpoint's tag directory: with tensor parallelism one per
-        tensor-parallel rank ``r`` of ``n``, ``kfac_state_tp<r>of<n>.pt``, holding the whole factors of the layers
-        that rank preconditions (those it owns under ``exact``)."""
+        """The name of K-FAC's state file in a checkpoint's tag directory: ``kfac_state.pt``, or with tensor
+        parallelism one per tensor-parallel rank ``r`` of ``n``, ``kfac_state_tp<r>of<n>.pt``, holding the whole
+        factors of the layers that rank preconditions (those it owns under ``exact``)."""
+        return f"kfac_state{self._tensor_parallel_part()}.pt"
+
+    def _tensor_parallel_part(self) -> str:
+        """``_tp<r>of<n>`` under tensor parallelism (``n > 1``), else ``""``: part of the state file's name."""
         size = bwc_tensor_model_parallel_world_size(self.mpu)
-        if size <= 1:
-            return STATE_FILE
-        return f"kfac_state_tp{self.mpu.get_tensor_model_parallel_rank()}of{size}.pt"
+        return f"_tp{self.mpu.get_tensor_model_parallel_rank()}of{size}" if size > 1 else ""
+
+
+class KFACEngine(KFACEngineMixin, DeepSpeedEngine):
+    """``DeepSpeedEngine`` plus K-FAC; the preconditioner is :attr:`kfac`.
+
+    Built by :func:`ds_kfac.initialize`, which first refuses the setups this
+    engine does not support (ZeRO 3 without mem-opt, offload, tensor parallelism other than
+    Megatron's at ZeRO stage 0, the hybrid engine, fp16 at stage 0).
+    """
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        base_step = super().step
+        if not self.is_gradient_accumulation_boundary():
+            base_step(lr_kwargs)
+            return
+        self._kfac_step(lambda: base_step(lr_kwargs))
 
 
 def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:

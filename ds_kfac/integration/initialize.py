@@ -11,8 +11,8 @@ Same arguments and return values as ``deepspeed.initialize``. Differences:
 
 Everything else, including a config without ``"kfac"`` or with
 ``"enabled": false``, goes to DeepSpeed unchanged. With K-FAC,
-:func:`_initialize_kfac` runs every step of the non-pipeline branch of
-``deepspeed.initialize`` itself, with :class:`KFACEngine` as the engine class
+:func:`_initialize_kfac` runs every step of ``deepspeed.initialize`` itself, with :class:`KFACEngine` as the
+engine class, or :class:`KFACPipelineEngine` for a ``PipelineModule`` (its pipeline branch)
 (``tests/robustness/test_deepspeed_drift.py`` fails when DeepSpeed adds a step).
 """
 
@@ -37,6 +37,7 @@ from deepspeed.module_inject import set_autotp_mode
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config, merge_tp_model_init_into_config
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
@@ -51,6 +52,7 @@ from ..placement import workers_per_layer
 from .easgd import EASGDEngine, KFACEASGDEngine
 from .easgd import refuse_unsupported as refuse_easgd_unsupported
 from .engine import KFACEngine
+from .pipeline import KFACPipelineEngine
 
 JSON_OPTIMIZERS = ("lamb", "sgd")
 
@@ -200,7 +202,7 @@ def _refuse_unsupported(
             "the engine's micro-step count to find the accumulation boundary)"
         )
     if isinstance(model, PipelineModule):
-        problems.append("pipeline parallelism (PipelineModule)")
+        problems += _pipeline_problems(cfg, model, mpu)
     if mesh_param is not None or "sequence_parallel_size" in config:
         problems.append("sequence/mesh parallelism")
     problems += _refuse_mpu(mpu, stage)
@@ -230,12 +232,61 @@ def _refuse_mpu(mpu: Any, stage: int) -> list[str]:
     return problems
 
 
+def _pipeline_problems(cfg: DeepSpeedConfig, model: PipelineModule, mpu: Any) -> list[str]:
+    """What K-FAC does not support with a ``PipelineModule``."""
+    problems = []
+    if isinstance(model, DualPipeVModule):
+        problems.append("DualPipeV pipelines (DualPipeVModule; supported: PipelineModule)")
+    stage = cfg.zero_optimization_stage
+    if stage >= 2:
+        problems.append(
+            f"zero_optimization.stage={stage} with pipeline parallelism (DeepSpeed's PipelineEngine runs stages 0 "
+            f"and 1 only)"
+        )
+    if cfg.float16_config.enabled:
+        problems.append("fp16 with pipeline parallelism (not verified with K-FAC: needs CUDA; use bf16 at ZeRO 1)")
+    if cfg.bfloat16_config.enabled and stage == 0:
+        problems.append(
+            "bf16 at ZeRO stage 0 with pipeline parallelism (DeepSpeed's pipeline then uses its BF16_Optimizer, "
+            "whose gradients K-FAC does not read; use ZeRO stage 1)"
+        )
+    slices = model.mpu().get_slice_parallel_world_size()
+    if slices > 1 and not _megatron_tensor_parallel(slices):
+        problems.append(
+            f"a pipeline topology with a model axis of size {slices} without megatron-core's tensor parallelism of "
+            f"that size (megatron.core.parallel_state initialized with tensor_model_parallel_size={slices}): each "
+            f"rank's factors would be those of its shard"
+        )
+    if slices > 1 and stage > 0:
+        problems.append(
+            f"ZeRO stage {stage} with tensor parallelism inside the pipeline (K-FAC needs each shard's whole "
+            f"gradient: stage 0)"
+        )
+    if mpu is not None:
+        problems.append(
+            f"mpu={type(mpu).__name__} with a PipelineModule (the pipeline's grid is its mpu; deepspeed.initialize "
+            f"refuses it too)"
+        )
+    return problems
+
+
 def _is_megatron(mpu: Any) -> bool:
     """Whether ``mpu`` is Megatron's ``parallel_state`` (as the user passes it, or wrapped by :func:`initialize`)."""
     if mpu is sys.modules.get("megatron.core.parallel_state"):
         return True
     megatron = sys.modules.get("ds_kfac.integration.megatron")
     return megatron is not None and isinstance(mpu, megatron.MegatronMPU)
+
+
+def _megatron_tensor_parallel(size: int) -> bool:
+    """Whether megatron-core's ``parallel_state`` is initialized with tensor-parallel size ``size`` (its layers then
+    carry their tensor-parallel group, which K-FAC reads: :mod:`ds_kfac.integration.megatron`)."""
+    state = sys.modules.get("megatron.core.parallel_state")
+    return (
+        state is not None
+        and state.model_parallel_is_initialized()
+        and state.get_tensor_model_parallel_world_size() == size
+    )
 
 
 def _as_deepspeed_mpu(mpu: Any) -> Any:
@@ -309,9 +360,12 @@ def initialize(
     return _initialize_kfac(**common, kfac_section=kfac_section, engine_kwargs=extra)
 
 
-def _engine_class(engine_kwargs: dict[str, Any]) -> type[DeepSpeedEngine]:
-    """The engine for the enabled sections: :class:`KFACEngine`, :class:`EASGDEngine` or both combined."""
+def _engine_class(engine_kwargs: dict[str, Any], pipeline: bool) -> type[DeepSpeedEngine]:
+    """The engine for the enabled sections: :class:`KFACEngine` (:class:`KFACPipelineEngine` for a
+    ``PipelineModule``), :class:`EASGDEngine` or both combined (refused with a pipeline)."""
     kfac, easgd = "kfac_config" in engine_kwargs, "easgd_config" in engine_kwargs
+    if pipeline and not easgd:
+        return KFACPipelineEngine
     return KFACEASGDEngine if kfac and easgd else EASGDEngine if easgd else KFACEngine
 
 
@@ -325,13 +379,16 @@ def _initialize_kfac(
     mesh_param: Any,
     **engine_args: Any,
 ) -> tuple[Any, Any, Any, Any]:
-    """The non-pipeline branch of ``deepspeed.initialize`` (0.19.8) after ``init_distributed``, step by step,
-    with :class:`KFACEngine` (or an EASGD engine, :func:`_engine_class`) given ``engine_kwargs``.
+    """``deepspeed.initialize`` (0.19.8) after ``init_distributed``, step by step, with :class:`KFACEngine`
+    (or an EASGD engine, :func:`_engine_class`) given ``engine_kwargs``; for a ``PipelineModule`` its pipeline
+    branch (the grid ``model.mpu()`` as the mpu) with :class:`KFACPipelineEngine`.
 
-    Steps that only serve setups :func:`_refuse_unsupported` refuses (a mesh device, the hybrid engine) are
-    left out; ``tests/robustness/test_deepspeed_drift.py`` lists every step and what happens to it here.
+    Steps that only serve setups :func:`_refuse_unsupported` refuses (a mesh device, the hybrid engine,
+    DualPipeV) are left out; ``tests/robustness/test_deepspeed_drift.py`` lists every step and what happens to
+    it here.
     """
-    engine_class = _engine_class(engine_kwargs)
+    pipeline = isinstance(model, PipelineModule)
+    engine_class = _engine_class(engine_kwargs, pipeline)
     log_dist(
         f"DeepSpeed info: version={deepspeed.__version__}, git-hash={deepspeed.__git_hash__}, "
         f"git-branch={deepspeed.__git_branch__}; engine: ds_kfac.{engine_class.__name__}",
@@ -340,7 +397,8 @@ def _initialize_kfac(
     partition_parameters.shutdown_init_context()  # a zero.Init context must not wrap the engine's own modules
     try:
         merge_tp_model_init_into_config(config, mpu, mesh_param, ds_comm)  # deepspeed.tp_model_init's settings
-        config_class = DeepSpeedConfig(config, mpu)
+        engine_mpu = model.mpu() if pipeline else mpu  # the pipeline's grid; the user's mpu is refused with it
+        config_class = DeepSpeedConfig(config, engine_mpu)
         if "kfac_config" in engine_kwargs:
             _refuse_unsupported(config_class, config, engine_kwargs["kfac_config"], model, mpu, mesh_param)
         if "easgd_config" in engine_kwargs:
@@ -350,7 +408,7 @@ def _initialize_kfac(
             set_autotp_mode(training=True)
         deepspeed.set_optimizer_flags(config_class, model)  # e.g. Muon's per-parameter flags
         engine = engine_class(
-            model=model, mpu=mpu, config=config, config_class=config_class, **engine_kwargs, **engine_args
+            model=model, mpu=engine_mpu, config=config, config_class=config_class, **engine_kwargs, **engine_args
         )
     finally:
         partition_parameters.restore_init_context()

@@ -19,12 +19,15 @@ from typing import Any, Iterator
 import deepspeed
 import pytest
 import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from packaging.requirements import Requirement
 from workers import problem
 
 import ds_kfac
 from ds_kfac.integration import initialize as initialize_module
 from ds_kfac.integration.layouts import Zero12Gradients
+from ds_kfac.integration.pipeline import KFACPipelineEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,8 +53,8 @@ DEEPSPEED_INITIALIZE_CALLS = {
     "DeepSpeedHybridEngine": "refused: hybrid_engine.enabled",
     "initialize_mesh_device": "refused: mesh_param / sequence_parallel_size",
     "info": "logs of the refused mesh branch",
-    "engine_cls": "refused: the pipeline branch",
-    "mpu": "refused: the pipeline branch (model.mpu())",
+    "engine_cls": "replaced by KFACPipelineEngine, the PipelineEngine subclass (DualPipeVModule: refused)",
+    "mpu": FOLLOWED,  # the pipeline branch's model.mpu()
     "format": "plumbing (the version log line)",
     "get": "plumbing (dict.get)",
     "hasattr": "plumbing",
@@ -93,34 +96,45 @@ def engines(one_rank: None) -> Iterator[list[Any]]:
         engine.destroy()
 
 
-def _effects(init: Any, config: dict, tmp_path: Path) -> dict[str, Any]:
+def _pipeline_model(cls: type[PipelineModule] = PipelineModule) -> PipelineModule:
+    """The problem's model as a one-stage pipeline (the process group must exist first, as for any pipeline)."""
+    deepspeed.init_distributed(dist_backend="gloo")
+    return cls(layers=list(problem.make_model()), num_stages=1, loss_fn=problem.loss_fn)
+
+
+def _effects(init: Any, config: dict, tmp_path: Path, pipeline: bool = False) -> dict[str, Any]:
     """What one ``initialize`` leaves behind, with the config given as a deprecated ``--deepscale_config``
-    file and ``args.local_rank`` unset: Python's GC, Muon's parameter flags, ``args.local_rank``."""
+    file and ``args.local_rank`` unset: Python's GC, Muon's parameter flags, ``args.local_rank``, the engine's
+    mpu (for a ``pipeline``, the model's grid)."""
     path = tmp_path / f"{init.__module__}.json"
     path.write_text(json.dumps(config))
     args = argparse.Namespace(deepscale_config=str(path), local_rank=None)
-    model = problem.make_model()
+    model = _pipeline_model() if pipeline else problem.make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # the client optimizer; the JSON names Muon
     engine, *_ = init(args=args, model=model, optimizer=sgd)
     effects = {
         "gc_enabled": gc.isenabled(),
         "use_muon": [getattr(p, "use_muon", None) for p in model.parameters()],
         "local_rank": args.local_rank,
+        "mpu_is_grid": engine.mpu is getattr(model, "_grid", False),
     }
     engine.destroy()
     return effects
 
 
-def test_initialize_has_the_effects_of_deepspeed_initialize(engines: list[Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipeline", [False, True], ids=["engine", "pipeline"])
+def test_initialize_has_the_effects_of_deepspeed_initialize(engines: list[Any], tmp_path: Path, pipeline: bool) -> None:
     """Issue 14, item 12 (a): the K-FAC path honours ``disable_python_gc``, sets the optimizer flags
     ``set_optimizer_flags`` sets (Muon's ``use_muon``), reads ``--deepscale_config`` and aligns
-    ``args.local_rank``, exactly as ``deepspeed.initialize`` does."""
+    ``args.local_rank``, exactly as ``deepspeed.initialize`` does; for a ``PipelineModule`` (issue 11) its
+    pipeline branch too, whose engine's mpu is the model's grid."""
     config = {**BASE, "optimizer": {"type": "Muon", "params": {"lr": 0.01}}, "disable_python_gc": True}
     assert gc.isenabled()
-    ours = _effects(ds_kfac.initialize, {**config, "kfac": {}}, tmp_path)
+    ours = _effects(ds_kfac.initialize, {**config, "kfac": {}}, tmp_path, pipeline)
     assert gc.isenabled()  # engine.destroy() gave it back
-    theirs = _effects(deepspeed.initialize, config, tmp_path)
-    assert theirs == {"gc_enabled": False, "use_muon": [True, False] * 3, "local_rank": 0}  # not vacuous
+    theirs = _effects(deepspeed.initialize, config, tmp_path, pipeline)
+    expected = {"gc_enabled": False, "use_muon": [True, False] * 3, "local_rank": 0, "mpu_is_grid": pipeline}
+    assert theirs == expected  # not vacuous
     assert ours == theirs
 
 
@@ -205,3 +219,36 @@ def test_tensor_parallelism_and_hybrid_engine_refused(case: str, engines: list[A
             model=model, model_parameters=model.parameters(), config={**BASE, **section, "kfac": {}}, **kwargs
         )
     assert message in str(error.value)
+
+
+PIPELINE_REFUSED = {
+    "zero2": ({"zero_optimization": {"stage": 2}}, {}, "zero_optimization.stage=2 with pipeline parallelism"),
+    "bf16 zero0": ({"bf16": {"enabled": True}}, {}, "bf16 at ZeRO stage 0 with pipeline parallelism"),
+    "fp16": ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}, {}, "fp16 with pipeline parallelism"),
+    "mpu": ({}, {"mpu": object()}, "mpu=object with a PipelineModule"),
+    "dualpipev": ({}, {"cls": DualPipeVModule}, "DualPipeV pipelines (DualPipeVModule"),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_REFUSED))
+def test_pipeline_setups_k_fac_does_not_support_are_refused(case: str, engines: list[Any]) -> None:
+    """Issue 11, item 3: with a ``PipelineModule``, ZeRO >= 2 (which DeepSpeed's pipeline refuses too), fp16,
+    bf16 at ZeRO 0 (DeepSpeed's BF16_Optimizer), a user's mpu and DualPipeV are refused at ``initialize``, naming what is wrong; plain fp32 at
+    ZeRO 0 builds a :class:`KFACPipelineEngine`."""
+    section, kwargs, message = PIPELINE_REFUSED[case]
+    model = _pipeline_model(kwargs.pop("cls", PipelineModule))
+    with pytest.raises(ds_kfac.KFACConfigError, match="K-FAC does not support yet: ") as error:
+        ds_kfac.initialize(model=model, config={**BASE, **section, "kfac": {}}, **kwargs)
+    assert message in str(error.value)
+    engine, *_ = ds_kfac.initialize(model=_pipeline_model(), config={**BASE, "kfac": {}})
+    engines.append(engine)
+    assert isinstance(engine, KFACPipelineEngine)
+
+
+def test_pipeline_with_a_model_axis_is_refused(engines: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: a pipeline topology with a model (tensor-slicing) axis is refused (simulated on one rank: the
+    grid reports 2 slices), naming its size."""
+    model = _pipeline_model()
+    monkeypatch.setattr(model._grid, "slice_parallel_size", 2)
+    with pytest.raises(ds_kfac.KFACConfigError, match="a pipeline topology with a model axis of size 2"):
+        ds_kfac.initialize(model=model, config={**BASE, "kfac": {}})
