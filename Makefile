@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-digits demo-resnet test venv clean
+.PHONY: demo demo-digits demo-resnet demo-gpt test venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,14 @@ demo-resnet: $(STAMP)
 	$(RESNET) --deepspeed_config configs/resnet_sgd_cpu.json
 	$(RESNET) --deepspeed_config configs/resnet_kfac_cpu.json
 	$(TTT) runs/demo-resnet/resnet_sgd_cpu runs/demo-resnet/resnet_kfac_cpu --metric held_out_accuracy --higher-is-better
+
+# A small GPT from megatron-core layers on 4 CPU ranks, tensor-parallel 2 inside each of 2 pipeline stages
+# (examples/gpt): LAMB and LAMB+K-FAC, compared on held-out next-token loss.
+GPT := $(VENV)/bin/deepspeed --num_gpus 4 examples/gpt/train.py --tp 2 --pp 2 --output-dir runs/demo-gpt
+demo-gpt: $(STAMP)
+	$(GPT) --deepspeed_config configs/gpt_cpu.json
+	$(GPT) --deepspeed_config configs/gpt_kfac_cpu.json
+	$(TTT) runs/demo-gpt/gpt_cpu runs/demo-gpt/gpt_kfac_cpu --metric held_out_loss
 
 # pytest exits 5 when it collects no test: that is a failure, never a silent success.
 test: $(STAMP)

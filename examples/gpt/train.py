@@ -165,6 +165,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    torch.set_num_threads(1)  # one thread per rank: on CPU the ranks share the cores
     torch.manual_seed(args.seed)
     deepspeed.init_distributed(dist_backend=deepspeed.get_accelerator().communication_backend_name())
     world = dist.get_world_size()
