@@ -55,13 +55,7 @@ def batches(
 
 
 def run(scenario: dict) -> dict:
-    if scenario.get("expect_error"):
-        try:
-            train(scenario)
-        except Exception as err:  # the test asserts on the message
-            return {"error": f"{type(err).__name__}: {err}"}
-        return {"error": None}
-    return train(scenario)
+    return ds_worker.run_with(train, scenario)
 
 
 def train(scenario: dict) -> dict:
