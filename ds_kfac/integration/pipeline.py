@@ -136,8 +136,9 @@ class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
         """This stage's K-FAC state, checked; a checkpoint of another number of stages, or a state that fails
         its check on any stage, raises ``ValueError`` on every rank before DeepSpeed loads anything."""
         names = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
-        saved = sorted(n for n in names if STAGE_STATE_FILE.fullmatch(n))
-        stages = {STAGE_STATE_FILE.fullmatch(n).group(1) for n in saved}
+        matches = [m for m in map(STAGE_STATE_FILE.fullmatch, names) if m]
+        saved = sorted(m.string for m in matches)
+        stages = {m.group(1) for m in matches}
         if saved and len(stages) != self.num_stages:
             raise ValueError(
                 f"checkpoint {checkpoint} holds the K-FAC state of {len(stages)} pipeline stages ({', '.join(saved)}) "
