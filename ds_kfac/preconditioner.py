@@ -69,6 +69,9 @@ class KFACPreconditioner:
             the last of the optimizer step; with it (or with ``accumulation_steps=1``)
             each layer's factors start their reduction during that backward pass
             (``overlap_factor_comm``), otherwise at :meth:`step`.
+        micro_batch: callable giving the 0-based index, within the optimizer step, of the
+            micro-batch whose forward pass is running; required when the ``factor_micro_batches``
+            key is fewer than ``accumulation_steps`` (only the last ones gather factors).
         process_group: data-parallel group over which factors are averaged
             (the default group when distributed is initialized).
         layout: where the reduced gradients lie at the step (:mod:`ds_kfac.placement.gradients`);
@@ -94,6 +97,7 @@ class KFACPreconditioner:
         accumulation_steps: int = 1,
         loss_scale: Optional[LossScale] = None,
         boundary: Optional[Callable[[], bool]] = None,
+        micro_batch: Optional[Callable[[], int]] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         layout: Optional[GradientLayout] = None,
@@ -110,6 +114,13 @@ class KFACPreconditioner:
             raise KFACConfigError("kl_clip needs the learning rate: pass optimizer= or lr= (or set kl_clip=None)")
         if accumulation_steps < 1:
             raise KFACConfigError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        subset = self.config.factor_micro_batches
+        if subset is not None and subset < accumulation_steps and micro_batch is None:
+            raise KFACConfigError(
+                f"factor_micro_batches={subset} with accumulation_steps={accumulation_steps}: pass micro_batch= "
+                f"(a callable giving the 0-based index in the step of the micro-batch being run), so the hooks "
+                f"know which micro-batches are the last {subset}"
+            )
         self.optimizer = optimizer
         self.lr = lr
         self.accumulation_steps = accumulation_steps
@@ -163,6 +174,8 @@ class KFACPreconditioner:
             loss_scale=loss_scale,
             last_micro_batch=boundary if self.config.overlap_factor_comm else None,
             relays=relays,
+            factor_micro_batches=self.config.factor_micro_batches,
+            micro_batch=micro_batch,
         )
 
     def _check_tensor_parallel(

@@ -269,3 +269,57 @@ def test_schedules_are_callables_of_the_step() -> None:
         loss_fn(model(torch.randn(4, 6, dtype=torch.float64)), torch.zeros(4, 3, dtype=torch.float64)).backward()
         kfac.step()
     assert sorted(set(seen)) == [0, 1, 2]
+
+
+def _subset_factors(batches: list[torch.Tensor], targets: list[torch.Tensor], **keys):
+    """Factors of one accumulated step of ``len(batches)`` micro-batches through a double ``nn.Linear(6, 3)``,
+    the preconditioner told each micro-batch's index."""
+    torch.manual_seed(5)
+    layer = nn.Linear(6, 3).double()
+    index = [0]
+    kfac = KFACPreconditioner(
+        layer,
+        kl_clip=None,
+        factor_dtype="float64",
+        accumulation_steps=len(batches),
+        micro_batch=lambda: index[0],
+        **keys,
+    )
+    for i, (x, t) in enumerate(zip(batches, targets)):
+        index[0] = i
+        (loss_fn(layer(x), t) / len(batches)).backward()
+    kfac.update_curvature()
+    return layer, kfac.blocks[0]
+
+
+def test_factor_micro_batches_take_the_last_k_against_reference() -> None:
+    """``factor_micro_batches: 2`` of 4 micro-batches: A and G are the float64 factors of the last two alone, on
+    the scale of the per-example gradients of the unscaled loss (the explicit reference of one batch of them)."""
+    torch.manual_seed(6)
+    x, t = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    layer, block = _subset_factors(list(x.chunk(4)), list(t.chunk(4)), factor_micro_batches=2)
+    last = copy.deepcopy(layer)
+    out = last(x[8:])
+    out.retain_grad()
+    loss_fn(out, t[8:]).backward()
+    a = ref.second_moment(ref.linear_rows(x[8:], True))
+    g = ref.second_moment(ref.output_grad_rows(out.grad, conv=False), scale=8)
+    torch.testing.assert_close(block.a.value, a, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(block.g.value, g, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("k", [4, 9])
+def test_factor_micro_batches_of_the_whole_step_is_todays_behaviour(k: int) -> None:
+    """``factor_micro_batches`` >= the accumulation gathers every micro-batch: bitwise today's factors."""
+    torch.manual_seed(7)
+    x, t = torch.randn(12, 6, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
+    _, every = _subset_factors(list(x.chunk(4)), list(t.chunk(4)))
+    _, subset = _subset_factors(list(x.chunk(4)), list(t.chunk(4)), factor_micro_batches=k)
+    assert torch.equal(subset.a.value, every.a.value) and torch.equal(subset.g.value, every.g.value)
+
+
+def test_factor_micro_batches_without_the_index_is_refused() -> None:
+    from ds_kfac import KFACConfigError
+
+    with pytest.raises(KFACConfigError, match=r"factor_micro_batches=2 with accumulation_steps=4: pass micro_batch="):
+        KFACPreconditioner(nn.Linear(3, 2), kl_clip=None, accumulation_steps=4, factor_micro_batches=2)

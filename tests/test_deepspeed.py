@@ -28,16 +28,21 @@ BF16_TOL = dict(rtol=5e-2, atol=2e-2)
 def reference(
     steps: int, skip: tuple[int, ...] = (), world: int = WORLD, **keys
 ) -> tuple[list[torch.Tensor], KFACPreconditioner]:
-    """Single process, plain PyTorch: the concatenated global batch of ``world`` ranks, every step."""
+    """Single process, plain PyTorch: the concatenated global batch of ``world`` ranks, every step. With
+    ``factor_micro_batches``, in ``GA`` parts of ``world`` ranks' micro-batches each, as the engine sees them."""
     model = problem.make_model()
     opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
-    kfac = KFACPreconditioner(model, optimizer=opt, **{**KFAC, **keys})
+    parts, index = (GA if "factor_micro_batches" in keys else 1), [0]
+    kfac = KFACPreconditioner(
+        model, optimizer=opt, accumulation_steps=parts, micro_batch=lambda: index[0], **{**KFAC, **keys}
+    )
     for step in range(steps):
         if step in skip:
             continue
         x, y = problem.global_batch(step, world * MICRO * GA)
         opt.zero_grad()
-        problem.loss_fn(model(x), y).backward()
+        for index[0], (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
+            (problem.loss_fn(model(xs), ys) / parts).backward()
         kfac.step()
         opt.step()
     return [p.detach().clone() for p in model.parameters()], kfac
@@ -80,6 +85,8 @@ PLACEMENT_VARIANTS = {
         "ds": {"zero_optimization": {"stage": 2}},
         "kfac": {"grad_worker_fraction": "mem-opt", "eigenvalue_outer_product": True},
     },
+    # The factors of the step's last micro-batch alone (DeepSpeed's micro-step count says which it is).
+    "stage2_last_micro_batch": {"ds": {"zero_optimization": {"stage": 2}}, "kfac": {"factor_micro_batches": 1}},
 }
 BF16_VARIANTS = {
     "stage0_bf16": {"bf16": {"enabled": True}},

@@ -28,6 +28,7 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "pp2": {"stages": 2, "ga": 2, "steps": 3},
     "tied": {"stages": 2, "ga": 2, "steps": 2, "tied": True},
     "pp2_bf16_zero1": {"stages": 2, "ga": 2, "steps": 3, "ds": BF16_ZERO1},
+    "pp2_last_micro_batch": {"stages": 2, "ga": 2, "steps": 3, "kfac": {**KFAC, "factor_micro_batches": 1}},
     "stage_1_state_corrupt": {"stages": 2, "ga": 2, "steps": 3, "corrupt": "kfac_state_pp1.pt", "expect_error": True},
 }
 FOUR_RANKS: dict[str, dict[str, Any]] = {
@@ -49,8 +50,10 @@ REFERENCES = {
     "pp2_bf16_zero1": (2, 3, BF16_ZERO1),
     "pp2_dp2": (4, 4, {}),
     "pp2_dp2_mem_opt_zero1_ga1": (2, 3, {}),
+    "pp2_last_micro_batch": (2, 3, {}, {**KFAC, "factor_micro_batches": 1}),
 }
-"""Each compared run's non-pipelined reference: (micro-batches on the one rank, steps, DeepSpeed overrides)."""
+"""Each compared run's non-pipelined reference: (micro-batches on the one rank, steps, DeepSpeed overrides[,
+K-FAC section])."""
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +76,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return results
 
 
-def reference(micro_batches: int, steps: int, ds: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(
+    micro_batches: int, steps: int, ds: dict, kfac: dict = KFAC
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The model's weights and each step's ``nu`` trained non-pipelined on one rank (``ds_kfac.initialize``)."""
-    cfg = ds_worker.config({"micro": MICRO, "ga": micro_batches, "kfac": KFAC, "ds": ds}, 1)
+    cfg = ds_worker.config({"micro": MICRO, "ga": micro_batches, "kfac": kfac, "ds": ds}, 1)
     engine, *_ = ds_kfac.initialize(model=problem.make_model(), config=cfg)
     dtype = next(engine.module.parameters()).dtype
     nus = []

@@ -58,6 +58,10 @@ class FactorCollector:
         relays: tensor-parallel layers whose factors another rank of their group holds (``exact``): their hooks
             send this rank's rows to it (:mod:`ds_kfac.layers.tensor_parallel`), whenever the owner's hooks
             compute statistics, so the collectives match.
+        factor_micro_batches: gather factors only in the last this many micro-batches of a factor-update step
+            (``None``: all of them); the earlier ones run no statistic.
+        micro_batch: the index (0-based) within the optimizer step of the micro-batch whose forward pass is
+            running; required when ``factor_micro_batches`` is fewer than ``accumulation_steps``.
     """
 
     def __init__(
@@ -70,6 +74,8 @@ class FactorCollector:
         loss_scale: Optional[LossScale],
         last_micro_batch: Optional[Callable[[], bool]],
         relays: Sequence[LayerAdapter] = (),
+        factor_micro_batches: Optional[int] = None,
+        micro_batch: Optional[Callable[[], int]] = None,
     ) -> None:
         self.distributor = distributor
         self.timer = timer
@@ -77,6 +83,8 @@ class FactorCollector:
         self.loss_scale = loss_scale
         self.last_micro_batch = last_micro_batch
         self.collecting = True
+        self._first_collected = accumulation_steps - min(factor_micro_batches or accumulation_steps, accumulation_steps)
+        self._micro_batch = micro_batch
         self.backward_seen = False
         """Whether some registered layer's output received a gradient since :meth:`arm`."""
         self.ever_fired = False
@@ -93,6 +101,13 @@ class FactorCollector:
         self.collecting = collecting
         self.backward_seen = False
         self.discard()
+
+    def _gathering(self, module: nn.Module) -> bool:
+        """Whether the forward pass in progress gathers factors: a training-mode call during a factor-update
+        step, in one of its last ``factor_micro_batches`` micro-batches."""
+        if not (self.collecting and module.training):
+            return False
+        return self._first_collected == 0 or self._micro_batch() >= self._first_collected
 
     def discard(self) -> None:
         """Forget this step's call counts (its statistics are taken or dropped)."""
@@ -114,7 +129,7 @@ class FactorCollector:
         if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
         self.ever_fired = True
-        if not (self.collecting and module.training and self.distributor.collects(block)):
+        if not (self._gathering(module) and self.distributor.collects(block)):
             if not self.backward_seen:
                 output.register_hook(self._mark_backward)
             return
@@ -131,7 +146,7 @@ class FactorCollector:
         if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
         self.ever_fired = True
-        if not (self.collecting and module.training):
+        if not self._gathering(module):
             if not self.backward_seen:
                 output.register_hook(self._mark_backward)
             return

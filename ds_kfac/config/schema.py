@@ -103,6 +103,7 @@ class KFACConfig(BaseModel):
 
     enabled: bool = True
     factor_update_steps: _schedule("factor_update_steps") = 1
+    factor_micro_batches: Optional[_number(POSITIVE_INTEGER)] = None
     inv_update_steps: _schedule("inv_update_steps", words=("adaptive",)) = 10
     adaptive_threshold: _number(POSITIVE) = 0.1
     damping: _schedule("damping") = 0.001

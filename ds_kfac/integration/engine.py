@@ -67,6 +67,7 @@ class KFACEngineMixin:
             accumulation_steps=self.gradient_accumulation_steps(),
             loss_scale=self._loss_scale,
             boundary=self._last_micro_batch(),
+            micro_batch=self._micro_batch_index(),
             process_group=self._kfac_group(),
             layout=self._gradient_layout(),
             model_parallel_group=self._model_parallel_group(),
@@ -81,6 +82,11 @@ class KFACEngineMixin:
         """Whether the micro-batch being back-propagated ends the optimizer step (for overlapped factor
         reduction): DeepSpeed's accumulation boundary."""
         return self.is_gradient_accumulation_boundary
+
+    def _micro_batch_index(self) -> Callable[[], int]:
+        """The 0-based index in the optimizer step of the micro-batch being run (``factor_micro_batches``):
+        DeepSpeed's micro-step count, which ``engine.step()`` advances after every micro-batch."""
+        return lambda: self.micro_steps % self.gradient_accumulation_steps()
 
     def _gradient_layout(self) -> Optional[GradientLayout]:
         """Where this engine's ZeRO stage 1-3 keeps the reduced gradients (:mod:`ds_kfac.integration.layouts`);

@@ -51,14 +51,26 @@ class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._backwards_this_batch = 0
+        self._forwards_this_batch = 0
+        self.module.register_forward_pre_hook(self._count_forward)
         self.module.register_forward_hook(self._watch_output)
         self._refuse_stages_without_layers()
 
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         """``PipelineEngine.train_batch``: one optimizer step over ``gradient_accumulation_steps()``
         micro-batches (their backward passes on this stage are counted from here)."""
-        self._backwards_this_batch = 0
+        self._backwards_this_batch = self._forwards_this_batch = 0
         return super().train_batch(data_iter)
+
+    def _count_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        """Count the stage's training forward passes of this batch: the pipeline runs them in micro-batch order."""
+        if module.training and torch.is_grad_enabled():
+            self._forwards_this_batch += 1
+
+    def _micro_batch_index(self) -> Callable[[], int]:
+        """The micro-batch whose forward pass runs on this stage (the engine's micro-step count does not
+        advance within ``train_batch``)."""
+        return lambda: self._forwards_this_batch - 1
 
     def _watch_output(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
         """The stage's output with its first differentiable tensor replaced by a view of it whose gradient hook
