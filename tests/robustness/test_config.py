@@ -159,6 +159,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "symmetric_comm": ["false", 0],
     "overlap_factor_comm": ["true", 1],
     "async_decompositions": ["false", 0],
+    "factor_micro_batches": [True, "4", 2.5, [1]],
 }
 
 # key -> values of the right type that were accepted and must stay so (value as stored).
@@ -170,6 +171,7 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "factor_update_steps": [(3.0, 3)],
     "skip_layers": [(["a", "b"], ["a", "b"])],
     "enabled": [(False, False)],
+    "factor_micro_batches": [(4, 4), (4.0, 4), (None, None)],
 }
 
 
