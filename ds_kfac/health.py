@@ -88,6 +88,20 @@ class Health:
             ),
         )
 
+    def uncurved_blocks(self, names: list[str], floor: float) -> None:
+        """Layers whose new decomposition has no usable curvature for ``relative_damping`` (passed through)."""
+        self._report(
+            "uncurved_decompositions",
+            len(names),
+            names,
+            lambda new: (
+                f"K-FAC layers {new} have no usable curvature at this decomposition: with relative_damping their "
+                f"mean curvature mean(eig A) * mean(eig G) is below {floor:.3g} (an all-zero or nearly zero A or G: "
+                f"a dead layer, a gate initialised to 0, an all-zero input); their gradients pass through "
+                f"unpreconditioned until a decomposition finds curvature (docs/conventions.md, Preconditioning)"
+            ),
+        )
+
     def step_without_backward(self, step: int) -> None:
         """A ``step()`` that no backward through a registered layer preceded (skipped)."""
         self._report(

@@ -20,6 +20,7 @@ contract documented in ``docs/conventions.md`` and pinned by ``tests/``.
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from functools import partial
 from typing import Any, Callable, Optional, Union
@@ -32,9 +33,18 @@ from .checkpoint import METHOD_KEYS, STATE_VERSION, CheckedState, LayerLayout, S
 from .collection import FactorCollector, LossScale
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_rank, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
-from .curvature import AdaptiveRefresh, Background, KFACBlock, StackedStates, all_finite, blocks_device, method_for
+from .curvature import (
+    AdaptiveRefresh,
+    Background,
+    KFACBlock,
+    StackedStates,
+    all_finite,
+    blocks_device,
+    curvature_floor,
+    method_for,
+)
 from .health import Health
-from .layers import SkippedLayer, find_layers
+from .layers import LayerAdapter, SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout, TensorParallelGradients, WholeGradients, split_tensor_parallel
 from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
@@ -42,6 +52,63 @@ from .timing import PhaseTimer
 
 def _every_backward_ends_a_step() -> bool:
     return True
+
+
+def _refuse_layers_differing_between_ranks(
+    layers: list[tuple[str, LayerAdapter]],
+    skipped: list[SkippedLayer],
+    group: Optional[dist.ProcessGroup],
+    model: nn.Module,
+) -> None:
+    """Raise on every rank, naming the layers, when the layers K-FAC registers differ between the data-parallel ranks
+    of ``group``, whose models must be replicas: a parameter frozen on some ranks only skips its layer there or
+    changes its ``A``, and the first factor collective would not match (a rank then aborted with signal 6).
+
+    Two small all-reduces (max of each value and of its negation), at construction only: a digest of the names of
+    the layers K-FAC looked at, then each one's factor sizes (0 where skipped)."""
+    if data_parallel_world(group) == 1:
+        return
+    sizes = {name: (adapter.a_dim, adapter.g_dim) for name, adapter in layers} | {s.name: (0, 0) for s in skipped}
+    names = sorted(sizes)
+    device = next(model.parameters(), torch.empty(0)).device
+
+    def extremes(values: list[int]) -> tuple[list[int], list[int]]:
+        both = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        got = both.tolist()
+        return got[: len(values)], [-v for v in got[len(values) :]]
+
+    digest = int.from_bytes(hashlib.sha256("\n".join(names).encode()).digest()[:7], "big")
+    high, low = extremes([digest])
+    if high != low:
+        raise ValueError(
+            "the data-parallel ranks' models have layers of different names (K-FAC's layers differ): they must be "
+            "replicas of one model"
+        )
+    high, low = extremes([d for name in names for d in sizes[name]])
+    problems = []
+    for i, name in enumerate(names):
+        (a_high, g_high), (a_low, g_low) = high[2 * i : 2 * i + 2], low[2 * i : 2 * i + 2]
+        if a_low == 0 < a_high:
+            problems.append(f"{name!r}: registered on some ranks, skipped on others (its weight frozen on some?)")
+        elif (a_low, g_low) != (a_high, g_high):
+            problems.append(
+                f"{name!r}: A of size {a_low} on some ranks, {a_high} on others (its bias frozen on some?)"
+                if a_low != a_high
+                else f"{name!r}: G of size {g_low} on some ranks, {g_high} on others"
+            )
+    if problems:
+        raise ValueError(
+            "K-FAC's layers differ between the data-parallel ranks, whose models must be replicas (parameters "
+            "frozen differently on different ranks?): " + "; ".join(problems)
+        )
+
+
+def _uncurved(block: KFACBlock, state: Optional[tuple], no: torch.Tensor) -> torch.Tensor:
+    """Whether ``state``, a candidate decomposition of ``block``, has no usable curvature (a device bool; ``no``
+    where its method cannot tell, or there is no state)."""
+    flag = None if state is None else block.method.uncurved(state)
+    return no if flag is None else flag.to(no.device)
 
 
 class KFACPreconditioner:
@@ -85,6 +152,8 @@ class KFACPreconditioner:
             responsible for. ``None``: the model is whole on every rank, or, with tensor-parallel
             layers (Megatron's, :mod:`ds_kfac.integration.megatron`), their tensor-parallel group.
         **keys: the ``"kfac"`` keys, as an alternative to ``config``.
+
+    Construction is collective over ``process_group`` (it checks that every rank registers the same layers).
     """
 
     def __init__(
@@ -138,6 +207,7 @@ class KFACPreconditioner:
             warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
             tensor_parallel_factors=self.config.tensor_parallel_factors,
         )
+        _refuse_layers_differing_between_ranks(layers, self.skipped_layers, process_group, model)
         relays = []
         tensor_parallel = split_tensor_parallel(layers)
         if tensor_parallel is not None:
@@ -415,16 +485,24 @@ class KFACPreconditioner:
         candidates = list(zip(chosen, states))
         if not candidates:
             return
-        flags = [all_finite(state).to(blocks_device(self.blocks)) for _, state in candidates]
+        device = blocks_device(self.blocks)
+        no = torch.zeros((), dtype=torch.bool, device=device)
+        flags = [
+            torch.stack([all_finite(state).to(device), _uncurved(block, state, no)]) for block, state in candidates
+        ]
         ok = torch.stack(flags).tolist()  # the one host sync of a decomposition step
-        failed = []
-        for (block, state), good in zip(candidates, ok):
+        failed, uncurved = [], []
+        for (block, state), (good, flat) in zip(candidates, ok):
             if good:
                 block.state = state
+                if flat:
+                    uncurved.append(block.name)
             else:
                 failed.append(block.name)
         if failed:
             self.health.failed_decompositions(failed)
+        if uncurved:
+            self.health.uncurved_blocks(uncurved, curvature_floor(self.config.inv_torch_dtype))
 
     def snapshot(self) -> Snapshot:
         """References to all state a step changes (steps never modify tensors in place), to

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, Range
+from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, UNDERFLOW, Range
 from .schedules import PiecewiseSchedule, resolve
 
 PLACEMENT_PRESETS = ("comm-opt", "hybrid-opt", "mem-opt")
@@ -37,6 +37,8 @@ def _constant(v: Any, rng: Range, words: tuple[str, ...], also: tuple[str, ...] 
         return v
     if not rng.contains(v):
         raise ValueError(f"must be {_alternatives(rng, words, also)}")
+    if rng.underflows(v):
+        raise ValueError(f"{v!r} is {UNDERFLOW}: use a value >= {rng.smallest:.8g}")
     return rng.kind(v)
 
 
@@ -79,6 +81,9 @@ def _schedule(key: str, words: tuple[str, ...] = ()) -> Any:
         bad = [x for x in schedule.values if not rng.contains(x)]
         if bad:
             raise ValueError(f"schedule values {bad} are not allowed: each must be {rng.allowed}")
+        tiny = [x for x in schedule.values if rng.underflows(x)]
+        if tiny:
+            raise ValueError(f"schedule values {tiny} are {UNDERFLOW}: each must be >= {rng.smallest:.8g}")
         return PiecewiseSchedule(schedule.milestones, tuple(rng.kind(x) for x in schedule.values))
 
     return Annotated[Any, BeforeValidator(check)]
@@ -165,6 +170,11 @@ class KFACConfig(BaseModel):
         value = resolve(getattr(self, key), step)
         if not rng.contains(value):
             raise KFACConfigError(f"kfac.{key}: the schedule returned {value!r} at step {step}; must be {rng.allowed}")
+        if rng.underflows(value):
+            raise KFACConfigError(
+                f"kfac.{key}: the schedule returned {value!r} at step {step}, which is {UNDERFLOW}; "
+                f"must be >= {rng.smallest:.8g}"
+            )
         return rng.kind(value)
 
     @property

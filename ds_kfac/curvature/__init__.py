@@ -9,6 +9,7 @@ from .decomposition import (
     EigenOuterDecomposition,
     InverseDecomposition,
     all_finite,
+    curvature_floor,
     method_for,
 )
 from .factors import KroneckerFactor
@@ -27,5 +28,6 @@ __all__ = [
     "StackedStates",
     "all_finite",
     "blocks_device",
+    "curvature_floor",
     "method_for",
 ]

@@ -57,13 +57,29 @@ def blocks_device(blocks: Iterable[KFACBlock]) -> torch.device:
     return first.adapter.module.weight.device if first is not None else torch.device("cpu")
 
 
+def _graft(result: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """``result`` rescaled in place to the L2 norm of ``grads``, per matrix of the stacks (layer-wise grafting).
+
+    Each norm is taken of the matrix divided by its largest magnitude, and multiplied back: a plain
+    ``sqrt(sum x^2)`` underflows to 0 in float32 for entries below about 1e-23 (a layer with a tiny but non-zero
+    gradient would never be updated) and overflows for entries above about 1e19."""
+    dims = (-2, -1)
+    tiny = torch.finfo(result.dtype).tiny
+    grad_max = grads.abs().amax(dim=dims, keepdim=True)
+    grad_norm = (grads / grad_max.clamp(min=tiny)).norm(dim=dims, keepdim=True) * grad_max
+    result.div_(result.abs().amax(dim=dims, keepdim=True).clamp(min=tiny))  # now of largest magnitude 1 (or 0)
+    return result.mul_(grad_norm / result.norm(dim=dims, keepdim=True).clamp(min=1.0))
+
+
 @dataclass
 class _Group:
-    """Blocks of one state layout: their positions in the block list, their states stacked, and
-    the method's precomputation for them (with the damping it was made for)."""
+    """Blocks of one state layout: their positions in the block list, their states stacked, which of them
+    have no usable curvature (the method's :meth:`~Decomposition.uncurved`, ``None``: none can), and the
+    method's precomputation for them (with the damping it was made for)."""
 
     positions: list[int]
     state: State
+    uncurved: Optional[torch.Tensor] = None
     cached: Optional[torch.Tensor] = None
     cached_for: Optional[float] = None
 
@@ -88,7 +104,8 @@ class StackedStates:
     def precondition(
         self, blocks: Sequence[KFACBlock], grads: Sequence[torch.Tensor], damping: float, graft: bool = False
     ) -> list[torch.Tensor]:
-        """``P(grad)`` of each block, in its decomposition's dtype; the gradient itself before its first.
+        """``P(grad)`` of each block, in its decomposition's dtype; the gradient itself before its first, and
+        while its decomposition has no usable curvature (relative damping of a dead layer).
 
         With ``graft``, each ``P(grad)`` is rescaled to the L2 norm of its ``grad`` (layer-wise norm
         grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
@@ -101,10 +118,9 @@ class StackedStates:
             stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
             result = method.precondition(state, stacked, damping, group.cached)
             if graft:
-                norms = result.norm(dim=(-2, -1))
-                result.mul_(
-                    (stacked.norm(dim=(-2, -1)) / norms.clamp(min=torch.finfo(norms.dtype).tiny))[:, None, None]
-                )
+                result = _graft(result, stacked)
+            if group.uncurved is not None:
+                result = torch.where(group.uncurved[:, None, None], stacked, result)
             for j, i in enumerate(positions):
                 out[i] = result[j]
         return out
@@ -134,5 +150,5 @@ class StackedStates:
             state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].state for i in positions)))
             for j, i in enumerate(positions):
                 blocks[i].state = tuple(t[j] for t in state)
-            groups.append(_Group(positions, state))
+            groups.append(_Group(positions, state, blocks[positions[0]].method.uncurved(state)))
         return groups

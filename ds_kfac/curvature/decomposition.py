@@ -24,7 +24,11 @@ curvature: ``damping * mean(eig A) * mean(eig G)`` replaces ``damping``
 methods), so ``P(g)``'s direction does not depend on the scale of a layer's
 factors, which differs by orders of magnitude between layers. For ``inverse``
 this makes the factor dampings ``sqrt(damping) tr A / dim A`` and
-``sqrt(damping) tr G / dim G``.
+``sqrt(damping) tr G / dim G``. A block whose mean curvature
+``mean(eig A) * mean(eig G)`` is below :func:`curvature_floor` (an all-zero or
+nearly zero factor: a dead layer) has no usable curvature: :meth:`Decomposition.uncurved`
+flags it, and its gradient passes through unpreconditioned (``inverse`` stores
+zero matrices for it).
 
 Preconditioning accepts leading batch dimensions (a stack of layers of one
 shape, each with its own state and damping), so equal-shaped layers are
@@ -87,9 +91,25 @@ def _in_eigenbasis(
 
 
 def _floored(damping: torch.Tensor) -> torch.Tensor:
-    """A relative damping kept positive: an all-zero factor (a dead layer, whose gradient is 0 too)
-    then gives ``0 / tiny = 0`` rather than ``0 / 0``."""
+    """A relative damping kept a normal number (it underflows when a tiny ``damping`` multiplies a small curvature),
+    so that no ``0 / 0`` arises; blocks without usable curvature are passed through anyway (:meth:`uncurved`)."""
     return damping.clamp(min=torch.finfo(damping.dtype).tiny)
+
+
+def curvature_floor(dtype: torch.dtype) -> float:
+    """The smallest mean curvature ``mean(eig A) * mean(eig G)`` relative damping uses in ``dtype``:
+    ``finfo.tiny / finfo.eps`` (9.9e-32 in float32, 1.0e-292 in float64).
+
+    Below it, ``eps`` times the block's curvature (the rounding unit of the products ``v_G v_A^T`` and of the
+    damping scaled by it) is a subnormal number or 0: the block's curvature has lost its precision, or is 0 (an
+    all-zero factor). A constant of the dtype, so it cannot vanish with the layer."""
+    info = torch.finfo(dtype)
+    return info.tiny / info.eps
+
+
+def _below_floor(mean_a: torch.Tensor, mean_g: torch.Tensor) -> torch.Tensor:
+    """Whether the mean curvature ``mean_a * mean_g`` is below :func:`curvature_floor` (a device tensor)."""
+    return mean_a * mean_g < curvature_floor(mean_a.dtype)
 
 
 def all_finite(state: Optional[State]) -> torch.Tensor:
@@ -113,6 +133,12 @@ class Decomposition(ABC):
 
     def __init__(self, relative_damping: bool = False) -> None:
         self.relative_damping = relative_damping
+
+    def uncurved(self, state: State) -> Optional[torch.Tensor]:
+        """With ``relative_damping``, which layers of ``state`` (a bool per leading index, on the device) have no
+        usable curvature (their gradient passes through); ``None`` without it (absolute damping is defined for
+        any curvature)."""
+        return None
 
     def block_damping(self, damping: float, va: torch.Tensor, vg: torch.Tensor) -> torch.Tensor | float:
         """The damping of ``A (x) G`` given both eigenvalue sets: ``damping``, or with
@@ -153,6 +179,12 @@ class EigenDecomposition(Decomposition):
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
         return [(a_dim, a_dim), (a_dim,)], [(g_dim, g_dim), (g_dim,)]
 
+    def uncurved(self, state: State) -> Optional[torch.Tensor]:
+        if not self.relative_damping:
+            return None
+        _, va, _, vg = state
+        return _below_floor(va.mean(-1), vg.mean(-1))
+
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
     ) -> tuple[Optional[State], Optional[State]]:
@@ -188,13 +220,19 @@ class EigenOuterDecomposition(EigenDecomposition):
 
 class InverseDecomposition(Decomposition):
     """Sides ``(A_damped^-1,)`` and ``(G_damped^-1,)``; damping is folded in at decomposition
-    time and couples the sides through ``pi``, so both are computed together."""
+    time and couples the sides through ``pi``, so both are computed together. With ``relative_damping``,
+    a block without usable curvature gets zero matrices (an inverse is never zero), which :meth:`uncurved` reads."""
 
     name = "inverse"
     colocated = True
 
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
         return [(a_dim, a_dim)], [(g_dim, g_dim)]
+
+    def uncurved(self, state: State) -> Optional[torch.Tensor]:
+        if not self.relative_damping:
+            return None
+        return (state[0] == 0).all(dim=-1).all(dim=-1)
 
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
@@ -204,9 +242,11 @@ class InverseDecomposition(Decomposition):
         a, g = a.to(dtype), g.to(dtype)
         ta, tg = torch.trace(a) / a.shape[0], torch.trace(g) / g.shape[0]
         root = math.sqrt(damping)
+        uncurved = None
         if self.relative_damping:
             # pi * sqrt(damping * ta * tg) and sqrt(damping * ta * tg) / pi.
             damp_a, damp_g = _floored(root * ta), _floored(root * tg)
+            uncurved = _below_floor(ta, tg)
         else:
             # pi balances the damping between the factors; 1 when a trace is not positive.
             ok = (ta > 0) & (tg > 0)
@@ -214,7 +254,10 @@ class InverseDecomposition(Decomposition):
             damp_a, damp_g = pi * root, root / pi
         eye_a = torch.eye(a.shape[0], dtype=dtype, device=a.device)
         eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
-        return _with_fallback(_inv, a + damp_a * eye_a, dtype), _with_fallback(_inv, g + damp_g * eye_g, dtype)
+        sides = _with_fallback(_inv, a + damp_a * eye_a, dtype), _with_fallback(_inv, g + damp_g * eye_g, dtype)
+        if uncurved is None:
+            return sides
+        return tuple(None if s is None else (torch.where(uncurved, 0.0, s[0]),) for s in sides)
 
     def precondition(
         self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None

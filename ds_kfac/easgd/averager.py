@@ -10,18 +10,29 @@ the center ``C`` the values before the step, ``eta`` the step's learning rate an
 soon as the weights of step ``t`` are final (right after step ``t - 1``, or at construction and after a load),
 so it runs during step ``t``'s forward and backward; without, at step ``t``. Both sum the same buffer, so the
 results are bitwise identical. ``S`` is the same on every rank, so the center stays identical everywhere.
+
+Stability: without gradients, an elastic step multiplies the distance between the workers' mean and the center by
+``1 - (P + 1) * eta * rho`` and each worker's distance from that mean by ``1 - eta * rho``, so the update diverges
+when the moving rate ``P * eta * rho`` reaches ``2P / (P + 1)`` (:attr:`ElasticAverager.diverging_rate`). The
+documented range is a rate below 1; :meth:`ElasticAverager.check_rate` refuses a diverging rate and warns outside
+that range, and a center that would not be finite stops the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm import STATS, data_parallel_world
+from ..config import KFACConfigError
 from .config import EASGDConfig
+
+IN_RANGE, OVERSHOOTING, DIVERGING = 0, 1, 2
+"""Where a moving rate ``P * eta * rho`` lies: below 1 (documented), below the diverging rate, or beyond."""
 
 
 class ElasticAverager:
@@ -56,7 +67,45 @@ class ElasticAverager:
         """Optimizer steps applied so far: the elastic update runs at ``steps % period == 0``."""
         self._sum: Optional[torch.Tensor] = None
         self._work: Optional[dist.Work] = None
+        self._regime = IN_RANGE
         self._start()
+
+    # ------------------------------------------------------------------ stability
+    @property
+    def diverging_rate(self) -> float:
+        """The moving rate ``P * eta * rho`` from which the elastic update diverges: ``2P / (P + 1)``."""
+        return 2 * self.world / (self.world + 1)
+
+    def _rate(self, lr: float) -> str:
+        return f"world * lr * rho = {self.world} * {lr:g} * {self.rho:g} = {self.world * lr * self.rho:g}"
+
+    def check_rate(self, lr: float, step: Optional[int] = None) -> None:
+        """Check the moving rate of learning rate ``lr``: at construction (``step=None``) a diverging rate raises
+        :class:`KFACConfigError`; a rate outside the documented range (below 1) warns, then at every elastic step
+        whose ``lr`` takes the rate further out than it was (a scheduler, a changed learning rate)."""
+        rate = self.world * lr * self.rho
+        regime = DIVERGING if rate >= self.diverging_rate else OVERSHOOTING if rate >= 1 else IN_RANGE
+        if regime == DIVERGING and step is None:
+            raise KFACConfigError(
+                f"easgd.rho={self.rho:g} with lr={lr:g} on {self.world} data-parallel ranks: the elastic moving rate "
+                f"{self._rate(lr)} makes EASGD diverge (each elastic step multiplies the distance between the workers' "
+                f"mean and the center by {1 - (self.world + 1) * lr * self.rho:g}; stable below "
+                f"{self.diverging_rate:.4g}, documented range below 1): use rho < {1 / (self.world * lr):.4g}"
+            )
+        if regime > self._regime:
+            what = (
+                f"the elastic update diverges (stable below {self.diverging_rate:.4g})"
+                if regime == DIVERGING
+                else "the center overshoots the workers' mean at every elastic step"
+            )
+            where = "at initialize" if step is None else f"at step {step}"
+            warnings.warn(
+                f"EASGD {where}: the elastic moving rate {self._rate(lr)} is outside its documented range (below 1): "
+                f"{what}; lower easgd.rho or the learning rate",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._regime = regime
 
     # ------------------------------------------------------------------ the update
     def _due(self) -> bool:
@@ -104,8 +153,17 @@ class ElasticAverager:
                 self.steps += 1
                 self._start()
             return
+        self.check_rate(lr, self.steps)
         alpha = lr * self.rho
         total = self._weight_sum()
+        center = total.sub(self.center, alpha=self.world)
+        torch.add(self.center, center, alpha=alpha, out=center)  # the new center, in place of the difference
+        if not torch.isfinite(center).all():  # one host sync per elastic step; S, hence this, is the same everywhere
+            raise RuntimeError(
+                f"EASGD step {self.steps}: the center would not be finite (the sum of the workers' weights is not: a "
+                f"rank's weights diverged or hold NaN/inf); stopped on every rank before the step changed anything. "
+                f"The elastic moving rate is {self._rate(lr)} (documented range: below 1)"
+            )
         pull = self._pack().sub_(self.center).mul_(alpha)  # eta * rho * (W_i - C), before the step
         if not local_step():
             return  # the weights did not change: S stays valid for the next attempt
@@ -113,7 +171,7 @@ class ElasticAverager:
             w.sub_(chunk.view_as(w))
             if p is not w:
                 p.copy_(w)
-        self.center.add_(total.sub_(self.center, alpha=self.world), alpha=alpha)
+        self.center = center
         self._sum = None
         self.steps += 1
         self._start()

@@ -14,6 +14,7 @@ optimizer state back over rank 0's.
 
 from __future__ import annotations
 
+import glob
 import os
 import pickle
 from typing import Any, Optional
@@ -87,6 +88,7 @@ class EASGDEngine(DeepSpeedEngine):
         if self.dp_world_size > 1:  # a group of its own: the all-reduce runs while the engine communicates
             (group,) = create_groups([tuple(dist.get_process_group_ranks(self.data_parallel_group))])
         self.easgd = ElasticAverager(weights, params, [names[p] for p in params], easgd_config, group)
+        self.easgd.check_rate(self.get_lr()[0])
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         base_step = super().step
@@ -140,7 +142,15 @@ class EASGDEngine(DeepSpeedEngine):
     def _read_rank_state(self, path: str) -> dict[str, Any]:
         """This rank's EASGD file, checked (a ``ValueError`` naming the file and key otherwise)."""
         if not os.path.isfile(path):
-            raise ValueError(f"EASGD state not loaded (nothing was changed): no {path} (saved without EASGD?)")
+            saved = len(glob.glob(os.path.join(os.path.dirname(path), "easgd_rank*.pt")))
+            if not saved:
+                raise ValueError(f"EASGD state not loaded (nothing was changed): no {path} (saved without EASGD?)")
+            raise ValueError(
+                f"EASGD state not loaded (nothing was changed): no {path}: the checkpoint was saved at world size "
+                f"{saved} (one easgd_rank<r>.pt per rank) and this run has {self.easgd.world} data-parallel ranks; "
+                f"each rank's weights are its own and cannot be redistributed: resume at world size {saved}, or pass "
+                f"load_optimizer_states=False to restart EASGD from rank 0's weights"
+            )
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, pickle.UnpicklingError) as err:

@@ -40,7 +40,7 @@ from ..comm import all_reduce_sum_
 from ..config import KFACConfig
 from ..placement import GradientLayout
 from ..preconditioner import KFACPreconditioner
-from .files import save_atomic, tag_to_load, tag_to_save
+from .files import refuse_zero_stage_change, save_atomic, tag_to_load, tag_to_save
 from .layouts import zero_layout
 
 STATE_FILE = "kfac_state.pt"
@@ -189,15 +189,17 @@ class KFACEngineMixin:
         """``DeepSpeedEngine.load_checkpoint`` restoring K-FAC's state too.
 
         K-FAC's state is read and checked on every rank before DeepSpeed loads anything: a state
-        that cannot be loaded (another model or method, malformed, not finite) raises a
-        ``ValueError`` and leaves the engine (weights, optimizer, counters, K-FAC) as it was.
+        that cannot be loaded (another model or method, malformed, not finite), or DeepSpeed files
+        saved at a ZeRO stage this engine cannot load (:func:`~ds_kfac.integration.files.refuse_zero_stage_change`),
+        raises a ``ValueError`` and leaves the engine (weights, optimizer, counters, K-FAC) as it was.
         As with the optimizer, ``load_optimizer_states=False`` or ``load_module_only=True`` start
         K-FAC fresh (e.g. BERT phase 2 from phase 1).
         """
-        if kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True):
-            return super().load_checkpoint(load_dir, tag, **kwargs)
+        fresh = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
         tag = tag_to_load(self, load_dir, tag)
-        if tag is None:  # no checkpoint named: DeepSpeed warns and loads nothing
+        if tag is not None:
+            refuse_zero_stage_change(self, os.path.join(load_dir, tag), optimizer_states=not fresh)
+        if fresh or tag is None:  # fresh K-FAC; or no checkpoint named: DeepSpeed warns and loads nothing
             return super().load_checkpoint(load_dir, tag, **kwargs)
         checked = self._checked_state(os.path.join(load_dir, tag))
         path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)

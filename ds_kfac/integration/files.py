@@ -1,9 +1,11 @@
 """Files ds_kfac keeps beside DeepSpeed's in a checkpoint's tag directory (``<save_dir>/<tag>/``): the tag
-DeepSpeed saves to or loads, and an atomic write."""
+DeepSpeed saves to or loads, an atomic write, and the ZeRO stage DeepSpeed's files were saved at."""
 
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from typing import Any, Optional
 
 import torch
@@ -32,3 +34,48 @@ def save_atomic(state: Any, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+"""DeepSpeed's model states files: ``mp_rank_<mp>_model_states.pt`` at ZeRO 0-2, one per data-parallel rank
+(``zero_pp_rank_<dp>_mp_rank_<mp>_model_states.pt``) at ZeRO 3."""
+
+
+def saved_zero_stage(checkpoint: str) -> Optional[int]:
+    """The ZeRO stage of the DeepSpeed checkpoint in tag directory ``checkpoint``: ``zero_optimization.stage`` of
+    the ``ds_config`` DeepSpeed records in its model states files (0 when absent), read memory-mapped (the weights
+    are not read). ``None`` without such a readable file or entry (DeepSpeed then reports the checkpoint itself)."""
+    names = sorted(f for f in os.listdir(checkpoint) if MODEL_STATES.fullmatch(f)) if os.path.isdir(checkpoint) else []
+    if not names:
+        return None
+    try:
+        state = torch.load(os.path.join(checkpoint, names[0]), map_location="cpu", mmap=True, weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):  # not torch.save's format: DeepSpeed will say
+        return None
+    config = state.get("ds_config") if isinstance(state, dict) else None
+    stage = (config.get("zero_optimization") or {}).get("stage", 0) if isinstance(config, dict) else None
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+
+
+def refuse_zero_stage_change(engine: DeepSpeedEngine, checkpoint: str, optimizer_states: bool) -> None:
+    """Raise ``ValueError`` before DeepSpeed loads anything when the checkpoint in tag directory ``checkpoint`` was
+    saved at a ZeRO stage this engine cannot load it at: DeepSpeed 0.19.8 fails on 3 against 0-2 (other files;
+    its bare ``AssertionError``), and with ``optimizer_states`` on 0 against 1-2 (ZeRO optimizer files missing or
+    unread); 1 and 2 load each other."""
+    saved, current = saved_zero_stage(checkpoint), engine.zero_optimization_stage()
+    if engine.load_universal_checkpoint() or saved is None or saved == current:
+        return
+    if 3 not in (saved, current) and not (optimizer_states and 0 in (saved, current)):
+        return
+    weights = (
+        f"torch.load('{checkpoint}/mp_rank_00_model_states.pt')['module']"
+        if saved == 0
+        else "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)"
+    )
+    weights_only = "" if 3 in (saved, current) else "; or pass load_optimizer_states=False (weights only)"
+    raise ValueError(
+        f"checkpoint {checkpoint} was saved at ZeRO stage {saved} and this engine runs ZeRO stage {current}: "
+        f"DeepSpeed cannot load it across that change (nothing was loaded). Resume at stage {saved}, or restore the "
+        f"weights with {weights} (into the model, before ds_kfac.initialize) and K-FAC's state with "
+        f"engine.kfac.load_state_dict(torch.load(<its kfac_state.pt>)), the optimizer starting fresh{weights_only}"
+    )

@@ -18,6 +18,7 @@ from torch import nn
 import ds_kfac
 from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner, PiecewiseSchedule
 from ds_kfac.config.schema import SCHEDULED
+from ds_kfac.easgd import EASGDConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,13 +202,13 @@ def test_types_are_strict_for_every_key() -> None:
 
 
 # Probes for the shared ranges, and which of them each key allows (an independent statement of docs/config.md).
-PROBES = [0, 1, 2, -1, 0.0, 1e-12, 0.5, 0.999, 1.0, 1.5, 10.0, True, False, "1", math.nan, math.inf, -math.inf]
+PROBES = [0, 1, 2, -1, 0.0, 1e-40, 1e-12, 0.5, 0.999, 1.0, 1.5, 10.0, True, False, "1", math.nan, math.inf, -math.inf]
 ALLOWED = {
     "factor_update_steps": [1, 2, 1.0, 10.0],
     "inv_update_steps": [1, 2, 1.0, 10.0],
     "damping": [1, 2, 1e-12, 0.5, 0.999, 1.0, 1.5, 10.0],
     "kl_clip": [1, 2, 1e-12, 0.5, 0.999, 1.0, 1.5, 10.0],
-    "factor_decay": [0, 0.0, 1e-12, 0.5, 0.999],
+    "factor_decay": [0, 0.0, 1e-40, 1e-12, 0.5, 0.999],  # 1e-40 is 0 in float32, a harmless decay
 }
 
 
@@ -237,6 +238,61 @@ def test_at_names_key_step_and_value() -> None:
     with pytest.raises(KFACConfigError) as caught:
         config.at("damping", 12)
     assert str(caught.value) == "kfac.damping: the schedule returned 0.0 at step 12; must be a number > 0"
+
+
+UNDERFLOW = (
+    r"0 or subnormal in float32, the arithmetic it is used in \(whose smallest normal number is 1\.1754944e-38\)"
+)
+# case -> (parser, section, the message line it must give).
+UNDERFLOWING = {
+    "damping": (
+        KFACConfig.parse,
+        {"damping": 1e-50},
+        rf"kfac\.damping: 1e-50 is {UNDERFLOW}: use a value >= 1\.1754944e-38 \(got 1e-50\)",
+    ),
+    "kl_clip": (KFACConfig.parse, {"kl_clip": 1e-39}, rf"kfac\.kl_clip: 1e-39 is {UNDERFLOW}: use a value >= "),
+    "adaptive_threshold": (
+        KFACConfig.parse,
+        {"adaptive_threshold": 5e-45},
+        rf"kfac\.adaptive_threshold: 5e-45 is {UNDERFLOW}: use a value >= ",
+    ),
+    "damping decaying to 1e-62": (
+        KFACConfig.parse,
+        {"damping": {"initial": 1e-2, "milestones": [100, 200, 300], "gamma": 1e-20}},
+        rf"kfac\.damping: schedule values {re.escape(str([1e-2 * 1e-20**2, 1e-2 * 1e-20**3]))} are {UNDERFLOW}: "
+        r"each must be >= 1\.1754944e-38 "
+        r"\(got \{'initial': 0\.01, ",
+    ),
+    "piecewise kl_clip": (
+        KFACConfig.parse,
+        {"kl_clip": {"milestones": [5], "values": [0.01, 1e-45]}},
+        rf"kfac\.kl_clip: schedule values \[1e-45\] are {UNDERFLOW}",
+    ),
+    "easgd rho": (EASGDConfig.parse, {"rho": 1e-40}, rf"easgd\.rho: 1e-40 is {UNDERFLOW}: use a value >= "),
+}
+
+
+@pytest.mark.parametrize("case", list(UNDERFLOWING))
+def test_positive_values_that_underflow_in_float32_are_refused(case: str) -> None:
+    """issue 22, item 2: a positive value below float32's smallest normal number passes "> 0" but is 0 (or loses its
+    precision) in the float32 arithmetic it is used in (the parameters became NaN): refused when parsed, naming
+    the key, the value and the bound."""
+    parse, section, line = UNDERFLOWING[case]
+    with pytest.raises(KFACConfigError) as caught:
+        parse(section)
+    message = str(caught.value)
+    assert message.count("\n") == 1 and re.match(line, message.split("\n  ", 1)[1]), message
+
+
+def test_a_python_schedule_that_underflows_stops_the_run() -> None:
+    """issue 22, item 2: a callable is checked at each use: decaying to 1e-62 at step 2 raises there, naming the
+    key, the step and the value; 1.2e-38 (float32's smallest normal number is 1.1754944e-38) is taken."""
+    config = KFACConfig.parse({"damping": lambda step: [0.01, 1.2e-38, 1e-62][step]})
+    assert config.at("damping", 1) == 1.2e-38
+    with pytest.raises(KFACConfigError) as caught:
+        config.at("damping", 2)
+    expected = rf"kfac\.damping: the schedule returned 1e-62 at step 2, which is {UNDERFLOW}; must be >= 1\.1754944e-38"
+    assert re.fullmatch(expected, str(caught.value)), caught.value
 
 
 GOOD = dict(damping=0.01, kl_clip=0.01, factor_decay=0.9, factor_update_steps=1, inv_update_steps=1)
