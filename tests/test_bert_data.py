@@ -1,11 +1,17 @@
-"""BERT pretraining data: corpus readers, WordPiece tokenizer and its cache, document split, NSP pairs, MLM masking."""
+"""BERT pretraining data: corpora, WordPiece tokenizer and its cache, document split, NSP pairs, MLM masking."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import inspect
+import json
 import math
+import os
+import platform
 import re
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +61,6 @@ def test_embedded_corpus_is_deterministic_prose(corpus) -> None:
 
 
 def test_embedded_corpus_ignores_rebound_hooks(corpus, monkeypatch) -> None:
-    import sys
     import threading
 
     def hook(*args: object) -> None:
@@ -64,6 +69,149 @@ def test_embedded_corpus_ignores_rebound_hooks(corpus, monkeypatch) -> None:
     for module, name in [(sys, "excepthook"), (sys, "unraisablehook"), (threading, "excepthook")]:
         monkeypatch.setattr(module, name, hook)
     assert data.embedded_corpus() == corpus
+
+
+FIXTURE_PACKAGE = "ds_kfac_corpus_fixture"
+FIXTURE_FILES = {
+    "__init__.py": '"""The fixture package. It must never be imported by the corpus builder."""\n'
+    'raise RuntimeError("imported")\n',
+    "a.py": '"""Module a comes first. Its files sort before b."""\n\n\n'
+    'def helper():\n    """Turn the widget once. Nothing else happens."""\n',
+    "b.py": '''"""Module b comes second. Classes, methods and nested functions count."""
+
+
+class Widget:
+    """A widget holds parts. It has methods too.
+
+    >>> Widget().turn()
+    """
+
+    def turn(self):
+        """Turn the widget once. Nothing else happens."""
+
+        def inner():
+            """Nested functions count too. They are found in source order."""
+
+    async def spin(self):
+        """One sentence is not enough."""
+
+
+try:
+    import nothing_here
+except ImportError:
+
+    def fallback():
+        """Fallbacks count as well. They sit in an except block."""
+''',
+    "broken.py": 'def f(:\n    """Never read at all. The file does not parse."""\n',
+    "tests/test_x.py": '"""Tests are skipped here. Their prose is never read."""\n',
+    "sub/c.py": '"""Subpackages are read too. Their paths sort with the rest."""\n\n\n'
+    'def again():\n    """Subpackages are read too. Their paths sort with the rest.\n\n    >>> again()\n    """\n',
+}
+FIXTURE_DOCUMENTS = [
+    ["The fixture package.", "It must never be imported by the corpus builder."],
+    ["Module a comes first.", "Its files sort before b."],
+    ["Turn the widget once.", "Nothing else happens."],
+    ["Module b comes second.", "Classes, methods and nested functions count."],
+    ["A widget holds parts.", "It has methods too."],  # The doctest line is dropped.
+    ["Nested functions count too.", "They are found in source order."],  # turn's docstring is a duplicate.
+    ["Fallbacks count as well.", "They sit in an except block."],
+    ["Subpackages are read too.", "Their paths sort with the rest."],  # again's sentences are a duplicate.
+]
+
+
+@pytest.fixture
+def fixture_package(tmp_path: Path, monkeypatch) -> Path:
+    root = tmp_path / "site" / FIXTURE_PACKAGE
+    for name, text in FIXTURE_FILES.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return root
+
+
+def test_docstring_corpus_parses_sources_without_importing(fixture_package) -> None:
+    documents = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False)
+    assert documents == FIXTURE_DOCUMENTS
+    assert FIXTURE_PACKAGE not in sys.modules
+    assert data.docstring_corpus(packages=[FIXTURE_PACKAGE, "no_such_package_here"], stdlib=False) == documents
+
+
+def test_docstring_corpus_cache(fixture_package, tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "corpus-cache"
+    first = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
+    (cached,) = cache.iterdir()
+    mtime = cached.stat().st_mtime_ns
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("parsed although the corpus is cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "_source_docstrings", no_parsing)
+        again = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
+    assert again == first == FIXTURE_DOCUMENTS and data.corpus_digest(again) == data.corpus_digest(first)
+    assert cached.stat().st_mtime_ns == mtime and list(cache.iterdir()) == [cached]
+    # A changed source file (its size) is another cache entry.
+    with (fixture_package / "sub/c.py").open("a") as f:
+        f.write('\n\ndef more():\n    """A new function appears. It changes the corpus."""\n')
+    changed = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
+    assert changed == FIXTURE_DOCUMENTS + [["A new function appears.", "It changes the corpus."]]
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_docstring_corpus_of_installed_packages(tmp_path: Path) -> None:
+    # Two small real packages: the full "packages" corpus takes ~30 s (test_packages_corpus_size builds it).
+    packages = ["filelock", "tqdm"]
+    first = data.docstring_corpus(packages=packages, stdlib=False, cache_dir=tmp_path)
+    assert data.docstring_corpus(packages=packages, stdlib=False) == first
+    assert data.docstring_corpus(packages=packages, stdlib=False, cache_dir=tmp_path) == first
+    sentences = [s for doc in first for s in doc]
+    assert len(first) > 100 and all(len(doc) >= 2 for doc in first)
+    assert not any(s.startswith((">>>", "...")) or s != " ".join(s.split()) for s in sentences)
+    assert len({tuple(doc) for doc in first}) == len(first)
+    (cached,) = tmp_path.iterdir()
+    recorded = json.loads(cached.read_text())["sources"]
+    assert recorded == {name: importlib.metadata.version(name) for name in packages}
+
+
+def test_corpus_sources() -> None:
+    sources = data.corpus_sources("packages")
+    assert list(sources)[0] == "python" and sources["python"] == platform.python_version()
+    assert list(sources)[1:] == sorted(list(sources)[1:])  # The standard library, then the packages by name.
+    assert {"torch", "transformers", "deepspeed", "numpy", "tokenizers"} <= set(sources)
+    for name, version in list(sources.items())[1:]:
+        assert version == importlib.metadata.version(data.CORPUS_PACKAGES[name]), name
+    assert data.corpus_sources("stdlib") == {"python": platform.python_version()}
+    with pytest.raises(ValueError, match="unknown embedded corpus 'wiki'"):
+        data.corpus_sources("wiki")
+
+
+@pytest.mark.skipif(
+    not os.environ.get("BERT_FULL_CORPUS"), reason="builds the full corpus (~1 min); set BERT_FULL_CORPUS=1"
+)
+def test_packages_corpus_size(tmp_path: Path, corpus) -> None:
+    """The default "packages" corpus gives 20x the "stdlib" corpus's training pairs at the CPU demo's settings."""
+    started = time.perf_counter()
+    packages = data.embedded_corpus("packages", cache_dir=tmp_path)
+    built = time.perf_counter() - started
+    started = time.perf_counter()
+    assert data.embedded_corpus("packages", cache_dir=tmp_path) == packages
+    loaded = time.perf_counter() - started
+    assert data.docstring_corpus() == packages  # Deterministic, with or without the cache.
+
+    def pairs(documents: list[list[str]]) -> int:  # As pretrain.py builds them with configs/bert_cpu_phase1_*.json.
+        train, _ = data.split_documents(documents, held_out_fraction=0.05, seed=0)
+        return len(data.build_examples(train, data.train_tokenizer(train, 1024), 64, seed=0))
+
+    sentences = [s for doc in packages for s in doc]
+    size_mb = sum(len(s.encode()) for s in sentences) / 1e6
+    small, large = pairs(corpus), pairs(packages)
+    print(
+        f"\n'packages' corpus {data.corpus_digest(packages)[:16]}: {len(packages)} documents, {len(sentences)} "
+        f"sentences, {size_mb:.2f} MB, built in {built:.1f} s, loaded from the cache in {loaded:.1f} s; "
+        f"{large} training pairs ('stdlib': {small})"
+    )
+    assert large >= 20 * small and built < 120 and loaded < 5
 
 
 def test_split_sentences() -> None:
@@ -120,7 +268,9 @@ def test_read_hf_dataset(tmp_path: Path) -> None:
 def test_load_corpus_sources(tmp_path: Path, corpus) -> None:
     with pytest.raises(ValueError, match="not both"):
         data.load_corpus(text_dir=tmp_path, hf_dataset=tmp_path)
-    assert data.load_corpus() == corpus
+    assert data.load_corpus() == data.load_corpus(embedded="stdlib") == data.embedded_corpus("stdlib") == corpus
+    with pytest.raises(ValueError, match="unknown embedded corpus 'wiki'"):
+        data.load_corpus(embedded="wiki")
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
+import platform
 from pathlib import Path
 
 import launch
@@ -17,6 +19,8 @@ ROOT = Path(__file__).parents[1]
 def pretrain(config: str, out: Path, *extra: str) -> None:
     cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
     script = [str(ROOT / "examples/bert/pretrain.py"), "--deepspeed_config", str(ROOT / "configs" / config)]
+    # The small corpus: the default one costs ~30 s to build and ~20 s per rank and launch to cut into pairs.
+    script += ["--corpus", "stdlib"]
     launch.run([cmd + script + ["--output-dir", str(out), *extra]], timeout=300)
 
 
@@ -33,6 +37,9 @@ def test_phase1_then_phase2_from_its_checkpoint(tmp_path: Path) -> None:
     assert (tmp_path / "bert_cpu_phase1_kfac/checkpoints/step30").is_dir()
     held = [float(r["held_out_mlm_loss"]) for r in phase1 if r["held_out_mlm_loss"]]
     assert len(held) == 2 and held[-1] < held[0]
+    corpus = json.loads((tmp_path / "bert_cpu_phase1_kfac/corpus.json").read_text())
+    assert corpus["embedded"] == "stdlib" and corpus["versions"] == {"python": platform.python_version()}
+    assert len(corpus["digest"]) == 64 and corpus["train_pairs"] > 4000 and corpus["held_out_pairs"] > 100
 
     ckpt = str(tmp_path / "bert_cpu_phase1_kfac/checkpoints")
     pretrain(

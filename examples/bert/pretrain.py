@@ -17,17 +17,27 @@ when none is given). The learning rate follows NVIDIA's recipe:
 linear warm-up, then ``(1 - progress) ** poly_power`` decay.
 
 Data: ``--text-dir`` (plain-text files), ``--hf-dataset`` (a ``datasets``
-dataset saved with ``save_to_disk``), or by default a corpus built from the
-docstrings of Python's standard library with a WordPiece vocabulary trained on
-it (cached), so the script runs offline. Documents are split into training and
-held-out sets; the held-out set is never trained on.
+dataset saved with ``save_to_disk``), or by default an embedded corpus, so the
+script runs offline: ``--corpus packages`` (the default) reads the docstrings
+of the standard library's and the installed dependencies' Python sources
+(torch, transformers, deepspeed, numpy, scipy, scikit-learn, ...; about 34k
+documents, 18 MB of text and 120k training pairs at sequence length 64 and a
+1024-token vocabulary), parsed without importing them and cached in
+``<output-dir>/corpus-cache``; ``--corpus stdlib`` is the earlier, smaller
+corpus of imported standard-library docstrings (2.3k documents, 5.4k such
+pairs). A WordPiece vocabulary is trained on the training documents (cached in
+``<output-dir>/tokenizer-cache``). Documents are split into training and
+held-out sets; the held-out set is never trained on. The corpus digest and the
+versions of what it was built from are printed and recorded.
 
 Each run writes ``<output-dir>/<run-name>/``: ``metrics.csv`` (every step),
-``checkpoints/`` (DeepSpeed checkpoints with K-FAC state), and refreshes
-``<output-dir>/summary.txt`` and ``<output-dir>/loss.png`` with every run found
-there. ``--resume`` continues an interrupted run exactly (data order, masks and
-dropout are functions of the step); ``--init-checkpoint`` starts phase 2 from
-phase 1's weights with a fresh optimizer and fresh K-FAC state.
+``corpus.json`` (the corpus's source, package versions, digest, document and
+pair counts), ``checkpoints/`` (DeepSpeed checkpoints with K-FAC state), and
+refreshes ``<output-dir>/summary.txt`` and ``<output-dir>/loss.png`` with every
+run found there. ``--resume`` continues an interrupted run exactly (data
+order, masks and dropout are functions of the step); ``--init-checkpoint``
+starts phase 2 from phase 1's weights with a fresh optimizer and fresh K-FAC
+state.
 """
 
 from __future__ import annotations
@@ -71,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--text-dir", type=Path, help="directory of plain-text files (default: embedded corpus)")
     parser.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk")
     parser.add_argument("--text-column", default="text")
+    parser.add_argument(
+        "--corpus",
+        choices=data.EMBEDDED_CORPORA,
+        default="packages",
+        help="the embedded corpus, used without --text-dir or --hf-dataset: 'packages' (docstrings of the standard "
+        "library's and the dependencies' sources) or 'stdlib' (the small one of imported standard-library modules)",
+    )
     parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained); default: train one")
     parser.add_argument("--vocab-size", type=int, help="override bert.vocab_size (when training a tokenizer)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bert"))
@@ -106,6 +123,26 @@ def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
         return max(0.0, 1.0 - (step - warmup) / max(1, max_steps - warmup)) ** power
 
     return factor
+
+
+def load_documents(args: argparse.Namespace, cache: Path) -> tuple[list[data.Document], dict[str, Any]]:
+    """The corpus and a record of it: source, versions, digest (rank 0 builds and caches the embedded one first)."""
+    if args.text_dir is not None or args.hf_dataset is not None:
+        documents = data.load_corpus(args.text_dir, args.hf_dataset, args.text_column)
+        source = {"text_dir": str(args.text_dir)} if args.text_dir is not None else {"hf_dataset": str(args.hf_dataset)}
+    else:
+        if dist.get_rank() == 0:
+            documents = data.embedded_corpus(args.corpus, cache_dir=cache)
+        dist.barrier()
+        if dist.get_rank() != 0:
+            documents = data.embedded_corpus(args.corpus, cache_dir=cache)
+        source = {"embedded": args.corpus, "versions": data.corpus_sources(args.corpus)}
+    return documents, {
+        **source,
+        "digest": data.corpus_digest(documents),
+        "documents": len(documents),
+        "sentences": sum(map(len, documents)),
+    }
 
 
 def load_tokenizer(
@@ -157,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = args.output_dir / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    documents = data.load_corpus(args.text_dir, args.hf_dataset, args.text_column)
+    documents, corpus = load_documents(args, args.output_dir / "corpus-cache")
     train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.data_seed)
     tokenizer = load_tokenizer(args, train_docs, bert["vocab_size"], args.output_dir / "tokenizer-cache")
     seq = bert["max_seq_length"]
@@ -208,6 +245,18 @@ def main(argv: list[str] | None = None) -> None:
     writer = report.MetricsWriter(run_dir / "metrics.csv", start_step) if rank == 0 else None
     kfac = getattr(engine, "kfac", None)
     if rank == 0:
+        corpus.update(
+            train_documents=len(train_docs),
+            held_out_documents=len(held_docs),
+            train_pairs=len(train_set),
+            held_out_pairs=len(held_set),
+            max_seq_length=seq,
+            vocab_size=len(tokenizer),
+        )
+        (run_dir / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
+        versions = ", ".join(f"{name} {version}" for name, version in corpus.get("versions", {}).items())
+        origin = corpus.get("text_dir") or corpus.get("hf_dataset") or f"embedded {corpus['embedded']!r} ({versions})"
+        print(f"corpus {corpus['digest']}: {len(documents)} documents from {origin}", flush=True)
         print(
             f"BERT {model_config['num_hidden_layers']}x{model_config['hidden_size']} vocab {len(tokenizer)}, seq {seq}: "
             f"{len(train_set)} training / {len(held_set)} held-out pairs; {world} ranks x {micro} x {accum} accumulation "
