@@ -69,7 +69,7 @@ TASKS = {
         "configs/resnet_kfac_cpu.json",
         "held_out_accuracy",
         True,
-        ("--steps", "4", "--eval-every", "2"),
+        ("--steps", "4", "--eval-every", "2", "--train-size", "4096", "--held-out-size", "256"),
     ),
 }
 ARMS = ("base", "kfac")
