@@ -192,21 +192,29 @@ def bert_batch(smoke: bool, generator: torch.Generator) -> Batch:
     }
 
 
-def build_resnet(smoke: bool) -> nn.Module:
-    """``examples/resnet/train.py``'s ``ResNet``: CIFAR ResNet-20 (ResNet-8 in smoke mode)."""
-    sys.path.insert(0, str(ROOT / "examples/resnet"))
-    from train import ResNet
+def build_resnet(depth: int) -> Callable[[bool], nn.Module]:
+    """``examples/resnet/train.py``'s ``ResNet`` of this depth (ResNet-8 in smoke mode)."""
 
-    return ResNet(depth=8 if smoke else 20, in_channels=3, classes=10)
+    def build(smoke: bool) -> nn.Module:
+        sys.path.insert(0, str(ROOT / "examples/resnet"))
+        from train import ResNet
+
+        return ResNet(depth=8 if smoke else depth, in_channels=3, classes=10)
+
+    return build
 
 
-def resnet_batch(smoke: bool, generator: torch.Generator) -> Batch:
-    """Random 3x32x32 images (16x16 in smoke mode) and labels, micro-batch 64."""
-    micro, side = 64, 16 if smoke else 32
-    return {
-        "x": torch.randn(micro, 3, side, side, generator=generator),
-        "y": torch.randint(0, 10, (micro,), generator=generator),
-    }
+def resnet_batch(micro: int) -> Callable[[bool, torch.Generator], Batch]:
+    """Random 3x32x32 images (16x16 in smoke mode) and labels, ``micro`` per micro-batch (64 in smoke mode)."""
+
+    def batch(smoke: bool, generator: torch.Generator) -> Batch:
+        n, side = (64, 16) if smoke else (micro, 32)
+        return {
+            "x": torch.randn(n, 3, side, side, generator=generator),
+            "y": torch.randint(0, 10, (n,), generator=generator),
+        }
+
+    return batch
 
 
 WORKLOADS = {
@@ -219,9 +227,16 @@ WORKLOADS = {
     ),
     "resnet20": Workload(
         "configs/resnet_kfac_cpu.json",
-        build_resnet,
+        build_resnet(20),
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        resnet_batch,
+        resnet_batch(64),
+        lambda model, batch: F.cross_entropy(model(batch["x"]), batch["y"]),
+    ),
+    "resnet8-demo": Workload(  # the ResNet demo's model and micro-batch (configs/resnet_kfac_cpu.json)
+        "configs/resnet_kfac_cpu.json",
+        build_resnet(8),
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        resnet_batch(128),
         lambda model, batch: F.cross_entropy(model(batch["x"]), batch["y"]),
     ),
 }
@@ -348,6 +363,8 @@ class Arm:
     optimizer: torch.optim.Optimizer
     kfac: Optional[KFACPreconditioner] = None
     steps: int = 0
+    micro: int = 0
+    """The index in the step of the micro-batch being run (K-FAC's ``micro_batch``, for ``factor_micro_batches``)."""
 
 
 def step_class(step: int, factor_every: int, inv_every: int) -> str:
@@ -381,7 +398,7 @@ def train_step(
         kfac.timings.clear()
     t0 = now()
     arm.optimizer.zero_grad(set_to_none=True)
-    for batch in micro_batches:
+    for arm.micro, batch in enumerate(micro_batches):
         (workload.loss(arm.model, batch) / len(micro_batches)).backward()
     t1 = now()
     if world > 1:
@@ -458,9 +475,16 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     kfac_model.load_state_dict(initial)
     del initial
     optimizer = workload.optimizer(kfac_model.parameters())
-    kfac = KFACPreconditioner(kfac_model, section, optimizer=optimizer, accumulation_steps=ga, process_group=kfac_group)
+    arm = Arm(kfac_model, optimizer)
+    arm.kfac = kfac = KFACPreconditioner(
+        kfac_model,
+        section,
+        optimizer=optimizer,
+        accumulation_steps=ga,
+        micro_batch=lambda: arm.micro,
+        process_group=kfac_group,
+    )
     kfac.timer.synchronize = device.type == "cuda"
-    arm = Arm(kfac_model, optimizer, kfac)
     run_cycle(arm, pool, ga, cadence, -1, workload, world, now, warmup)
     rss_kfac = peak_rss_bytes()
 
