@@ -25,7 +25,13 @@ from .curvature.factors import finite_flags
 
 STATE_VERSION = 1
 
-METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping", "conv_factors")
+METHOD_KEYS = (
+    "compute_method",
+    "eigenvalue_outer_product",
+    "eigenvalue_correction",
+    "relative_damping",
+    "conv_factors",
+)
 """Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
 they match."""
 
@@ -54,6 +60,8 @@ class StateLayout:
     layers: dict[str, LayerLayout]
     adaptive: bool
     """Whether decompositions refresh adaptively (the state then holds the schedule and references)."""
+    correction: bool = False
+    """Whether layers have an eigenvalue correction (each entry then holds ``S``)."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +191,11 @@ def _layer_problems(
     where = f"layer {name!r}"
     if not isinstance(entry, dict):
         return [f"{where} must be a dict, got {_describe(entry)}"]
-    keys = ("shape", "A", "G", "state") + (("A_refs", "G_refs") if layout.adaptive else ())
+    keys = (
+        ("shape", "A", "G", "state")
+        + (("S",) if layout.correction else ())
+        + (("A_refs", "G_refs") if layout.adaptive else ())
+    )
     problems = _key_problems(where, entry, keys, keys)
     if problems:
         return problems
@@ -191,10 +203,11 @@ def _layer_problems(
     shape = entry["shape"]
     if not (isinstance(shape, (list, tuple)) and tuple(shape) == (a, g)):
         return [f"{where}: checkpoint factors are (A, G) = {_shape_of(shape)}, this model has {(a, g)}"]
+    shapes = {"A": (a, a), "G": (g, g)} | ({"S": (g, a)} if layout.correction else {})
     problems = [
         problem
-        for key, dim in (("A", a), ("G", g))
-        for problem in _tensor_problems(f"{where}: {key}", entry[key], (dim, dim), tensors)
+        for key, shape in shapes.items()
+        for problem in _tensor_problems(f"{where}: {key}", entry[key], shape, tensors)
     ]
     problems += _decomposition_problems(where, entry["state"], expected.state_shapes, layout.method, tensors)
     if layout.adaptive:

@@ -218,7 +218,14 @@ class KFACPreconditioner:
                 self.model_parallel_group = model_parallel_group = tensor_parallel.group
         method = method_for(self.config)
         self.blocks = [
-            KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
+            KFACBlock(
+                name,
+                adapter,
+                method,
+                self.config.factor_torch_dtype,
+                self.config.inv_torch_dtype,
+                eigenvalue_correction=self.config.eigenvalue_correction,
+            )
             for name, adapter in layers
         ]
         self.layout = layout or WholeGradients()
@@ -265,6 +272,8 @@ class KFACPreconditioner:
             )
         if exact and self.config.factor_reduction == "local":
             problems.append('factor_reduction="local" with tensor_parallel_factors="exact"')
+        if self.config.eigenvalue_correction:
+            problems.append("eigenvalue_correction (per-example gradients of sharded layers are not gathered)")
         if problems:
             raise KFACConfigError("K-FAC with tensor-parallel layers does not support: " + "; ".join(problems))
 
@@ -383,12 +392,12 @@ class KFACPreconditioner:
     def update_curvature(self) -> None:
         """Steps 2 and 3 of the flow: fold in this step's factors, decompose when scheduled."""
         s, scalars = self.steps, self.state.scalars
+        if self.collector.collecting:  # before any new eigenbasis: the step's S was projected on the current one
+            self._update_factors(self.config.at("factor_decay", s))
         if scalars.pending is not None and s >= scalars.pending.install_at:
             with self.timer.phase("decompose"):
                 self._adopt(*self.distributor.share_sides(scalars.pending.blocks, *scalars.pending.job.result()))
             scalars.pending = None
-        if self.collector.collecting:
-            self._update_factors(self.config.at("factor_decay", s))
         damping = self.config.at("damping", s)
         if self.refresh is not None:
             due = [key for key in self.refresh.due(s) if key[0] in self.state.scalars.seen]
@@ -419,7 +428,11 @@ class KFACPreconditioner:
     def _run_in_background(self, started: int, install_at: int) -> None:
         seen = self._seen_blocks()
         damping = self.config.at("damping", started)
-        job = Background(partial(self.distributor.compute_sides, seen, damping), blocks_device(self.blocks))
+        # The factors as they are now: the next step folds new ones in (never in place) before installing.
+        factors = {b.name: (b.a.value, b.g.value) for b in seen}
+        job = Background(
+            partial(self.distributor.compute_sides, seen, damping, factors=factors), blocks_device(self.blocks)
+        )
         self.state.scalars.pending = PendingDecompositions(started, install_at, seen, job)
 
     def _seen_blocks(self) -> list[KFACBlock]:
@@ -494,7 +507,7 @@ class KFACPreconditioner:
         failed, uncurved = [], []
         for (block, state), (good, flat) in zip(candidates, ok):
             if good:
-                block.state = state
+                block.install(state)
                 if flat:
                     uncurved.append(block.name)
             else:
@@ -525,13 +538,17 @@ class KFACPreconditioner:
         """Bytes held on this rank, by category: running factors, decompositions, the
         accumulators of the step in progress (independent of the number of micro-batches),
         the factor snapshots adaptive refresh compares against (on the decomposing rank), and
-        what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers)."""
+        what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers) and, with
+        ``eigenvalue_correction``, the running corrections ``S`` (on gradient workers; their step accumulators
+        count as accumulators)."""
         usage = {"factors": 0, "decompositions": 0, "accumulators": 0, "refresh_references": 0}
         usage["preconditioning_cache"] = self._stacks.cache_bytes()
+        if self.config.eigenvalue_correction:
+            usage["eigenvalue_corrections"] = 0
         for b in self.blocks:
-            for factor in (b.a, b.g):
-                running, accumulator = factor.nbytes()
-                usage["factors"] += running
+            for side, stat in b.statistics().items():
+                running, accumulator = stat.nbytes()
+                usage["eigenvalue_corrections" if side == "S" else "factors"] += running
                 usage["accumulators"] += accumulator
             usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
         if self.refresh is not None:
@@ -587,7 +604,7 @@ class KFACPreconditioner:
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
         """This rank's view of every layer's state: references to what it holds, ``None`` elsewhere."""
-        state = {b.name: {"A": b.a.value, "G": b.g.value, "state": b.state} for b in self.blocks}
+        state = {b.name: {**{k: s.value for k, s in b.statistics().items()}, "state": b.state} for b in self.blocks}
         if self.refresh is not None:
             for (name, side), f in self.refresh.factors.items():
                 state[name][f"{side}_refs"] = [f.last, f.before_last]
@@ -609,6 +626,7 @@ class KFACPreconditioner:
             method=method.name,
             layers=layers,
             adaptive=self.refresh is not None,
+            correction=self.config.eigenvalue_correction,
         )
 
     def load_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> None:
@@ -622,8 +640,11 @@ class KFACPreconditioner:
             a, g = (None if t is None else t.to(device, factor_dtype) for t in (entry["A"], entry["G"]))
             b.a.value = a if self.distributor.keeps(b, "A") else None
             b.g.value = g if self.distributor.keeps(b, "G") else None
-            worker = self.distributor.is_grad_worker(b) and entry["state"] is not None
-            b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if worker else None
+            if b.correction is not None:
+                kept = self.distributor.keeps(b, "S") and entry["S"] is not None
+                b.correction.value = entry["S"].to(device, factor_dtype) if kept else None
+            held = self.distributor.holds_state(b) and entry["state"] is not None
+            b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if held else None
         self.discard_step_statistics()
         if self.refresh is not None:
             self.refresh.load_state_dict(state["refresh"])

@@ -7,6 +7,12 @@ gets a backward (a metric computed in training mode, a recomputation by
 non-reentrant activation checkpointing) contributes nothing, and ``A`` and
 ``G`` always count the same calls.
 
+With the eigenvalue correction, the forward hook of a layer that has an
+eigenbasis keeps the input instead (which autograd keeps for the weight
+gradient anyway), and the backward hook computes its rows once for ``A`` and
+for the per-example gradients of ``S``, which need each example's input and
+output-gradient rows together.
+
 The collector also records what the step checks before preconditioning:
 whether any registered layer received a backward since the step began
 (:attr:`FactorCollector.backward_seen`), whether its hooks ever ran
@@ -18,6 +24,7 @@ backward (:meth:`FactorCollector.unanswered`).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -35,6 +42,13 @@ compile_reason = (
     "K-FAC's module hooks run eagerly (one graph break per registered layer), so torch.compile(fullgraph=True) "
     "cannot compile a model with K-FAC attached: compile it with fullgraph=False, after attaching K-FAC"
 )
+
+
+@dataclass(frozen=True)
+class _Input:
+    """A layer call's input, kept from the forward to the backward hook (eigenvalue correction)."""
+
+    x: torch.Tensor
 
 
 def _in_backward() -> bool:
@@ -135,10 +149,13 @@ class FactorCollector:
             return
         with self.timer.phase("hooks"):
             x = inputs[0]
-            statistic = block.a.statistic(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
+            if block.correction is not None and block.state is not None:
+                pending: Union[torch.Tensor, _Input] = _Input(x.detach())
+            else:
+                pending = block.a.statistic(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
             if not _in_backward():  # a recomputation stands in for a forward already counted
                 self._forwards[block.name] += 1
-            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x), statistic))
+            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x), pending))
 
     def _relay_forward_hook(self, adapter: LayerAdapter, module: nn.Module, inputs: tuple, output: Any) -> None:
         """:meth:`_forward_hook` of a layer whose factors another rank holds: send it this rank's rows."""
@@ -162,7 +179,11 @@ class FactorCollector:
     def _mark_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True
 
-    def _output_grad_hook(self, block: KFACBlock, batch_size: int, statistic: torch.Tensor, grad: torch.Tensor) -> None:
+    def _output_grad_hook(
+        self, block: KFACBlock, batch_size: int, pending: Union[torch.Tensor, _Input], grad: torch.Tensor
+    ) -> None:
+        """Count the call's ``A`` (``pending``: its statistic, or the input to compute it from) and its ``G``
+        (and ``S``) from ``grad``, the gradient of the call's output."""
         with self.timer.phase("hooks"):
             self.backward_seen = True
             if self.distributor.handed_over(block):
@@ -173,8 +194,17 @@ class FactorCollector:
                 )
             # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
             scale = self.loss_scale() if self.loss_scale is not None else 1.0
-            block.a.add(statistic)
-            block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
+            c = batch_size * self.accumulation_steps / scale
+            g_rows = block.adapter.output_grad_rows(grad)
+            if isinstance(pending, _Input):
+                adapter = block.adapter
+                a_rows = adapter.input_rows(pending.x)
+                block.a.add(block.a.statistic(a_rows, bias_column=adapter.has_bias))
+                basis = block.method.basis(block.state)
+                block.correction.accumulate(a_rows, g_rows, batch_size, c, basis, adapter.has_bias)
+            else:
+                block.a.add(pending)
+            block.g.accumulate(g_rows, c)
             self._backwards[block.name] += 1
             # Complete once every counted forward call of the step has had its backward (a layer called
             # several times per micro-batch waits for its last call; under reentrant checkpointing every

@@ -2,6 +2,7 @@
 
 from .background import Background
 from .block import KFACBlock, StackedStates, blocks_device
+from .correction import EigenvalueCorrection
 from .decomposition import (
     METHODS,
     Decomposition,
@@ -12,7 +13,7 @@ from .decomposition import (
     curvature_floor,
     method_for,
 )
-from .factors import KroneckerFactor
+from .factors import KroneckerFactor, RunningAverage
 from .refresh import AdaptiveRefresh
 
 __all__ = [
@@ -21,10 +22,12 @@ __all__ = [
     "Background",
     "Decomposition",
     "EigenDecomposition",
+    "EigenvalueCorrection",
     "EigenOuterDecomposition",
     "InverseDecomposition",
     "KFACBlock",
     "KroneckerFactor",
+    "RunningAverage",
     "StackedStates",
     "all_finite",
     "blocks_device",

@@ -1,9 +1,11 @@
 """A curvature block: the Kronecker-factored curvature of one layer.
 
-The block owns the layer's two factors and its current decomposition. It
-knows nothing about hooks, ranks or optimizers: the preconditioner feeds it
-rows and the communication layer moves its tensors. :class:`StackedStates`
-turns the gradient matrices of many blocks into preconditioned ones.
+The block owns the layer's two factors, its current decomposition and, with
+``eigenvalue_correction``, the second moment ``S`` of its per-example gradients
+in the decomposition's eigenbasis. It knows nothing about hooks, ranks or
+optimizers: the preconditioner feeds it rows and the communication layer moves
+its tensors. :class:`StackedStates` turns the gradient matrices of many blocks
+into preconditioned ones.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..layers.base import LayerAdapter
+from .correction import EigenvalueCorrection
 from .decomposition import Decomposition, State
-from .factors import KroneckerFactor
+from .factors import KroneckerFactor, RunningAverage
 
 
 class KFACBlock:
-    """Factors ``A`` (``a_dim``) and ``G`` (``g_dim``) of one layer and their decomposition."""
+    """Factors ``A`` (``a_dim``) and ``G`` (``g_dim``) of one layer, their decomposition and, with
+    ``eigenvalue_correction``, the correction ``S`` (``g_dim x a_dim``)."""
 
     def __init__(
         self,
@@ -29,6 +33,7 @@ class KFACBlock:
         method: Decomposition,
         factor_dtype: torch.dtype = torch.float32,
         inv_dtype: torch.dtype = torch.float32,
+        eigenvalue_correction: bool = False,
     ) -> None:
         self.name = name
         self.adapter = adapter
@@ -36,9 +41,25 @@ class KFACBlock:
         self.inv_dtype = inv_dtype
         self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
         self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
+        self.correction = (
+            EigenvalueCorrection(adapter.a_dim, adapter.g_dim, factor_dtype) if eigenvalue_correction else None
+        )
         self._state: Optional[State] = None
         self.state_version = 0
         """Bumped whenever :attr:`state` is assigned, so caches built from it know when to rebuild."""
+
+    def statistics(self) -> dict[str, RunningAverage]:
+        """The running statistics by name, in the order they travel: ``A``, ``G`` and, with the correction, ``S``."""
+        stats: dict[str, RunningAverage] = {"A": self.a, "G": self.g}
+        if self.correction is not None:
+            stats["S"] = self.correction
+        return stats
+
+    def install(self, state: State) -> None:
+        """Adopt a new decomposition. The correction follows a new eigenbasis: ``S`` is re-projected onto it."""
+        if self.correction is not None and self._state is not None:
+            self.correction.rebase(self.method.basis(self._state), self.method.basis(state))
+        self.state = state
 
     @property
     def state(self) -> Optional[State]:
@@ -69,6 +90,21 @@ def _graft(result: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     grad_norm = (grads / grad_max.clamp(min=tiny)).norm(dim=dims, keepdim=True) * grad_max
     result.div_(result.abs().amax(dim=dims, keepdim=True).clamp(min=tiny))  # now of largest magnitude 1 (or 0)
     return result.mul_(grad_norm / result.norm(dim=dims, keepdim=True).clamp(min=1.0))
+
+
+def _scaling(blocks: Sequence[KFACBlock], positions: list[int]) -> Optional[torch.Tensor]:
+    """The stacked eigenvalue corrections ``S`` of the blocks at ``positions``, a block without one yet (before the
+    first factor-update step in an eigenbasis) taking its Kronecker eigenvalues ``v_G v_A^T``; ``None`` when no block
+    has one (plain K-FAC)."""
+    if not any(blocks[i].correction is not None and blocks[i].correction.value is not None for i in positions):
+        return None
+    dtype = blocks[positions[0]].state[0].dtype
+    return torch.stack(
+        [
+            b.method.eigenvalues(b.state) if b.correction.value is None else b.correction.value.to(dtype)
+            for b in (blocks[i] for i in positions)
+        ]
+    )
 
 
 @dataclass
@@ -116,7 +152,7 @@ class StackedStates:
             if group.cached_for != damping:
                 group.cached, group.cached_for = method.precompute(state, damping), damping
             stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
-            result = method.precondition(state, stacked, damping, group.cached)
+            result = method.precondition(state, stacked, damping, group.cached, _scaling(blocks, positions))
             if graft:
                 result = _graft(result, stacked)
             if group.uncurved is not None:

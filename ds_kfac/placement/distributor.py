@@ -10,6 +10,12 @@ precondition and, when not every rank is a gradient worker, broadcast the
 result along rows to the others. Under ZeRO ownership (``mem-opt`` with
 partitioned gradients) a layer's gradient workers are its partition's owners,
 who write their own partitions: no preconditioned gradient moves.
+
+With ``eigenvalue_correction`` every rank that collects factors projects its own
+examples' gradients onto the layer's eigenbasis, so the decompositions go to all
+of them (with fewer gradient workers than ranks: to every rank, not only the
+column), and the step's ``S`` travels with ``A`` and ``G`` (all-reduced, also
+when the factors are reduced to one rank) to the gradient workers, who keep it.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from ..comm import (
     send_,
     unpack_symmetric,
 )
-from ..config import KFACConfig
-from ..curvature import Decomposition, KFACBlock, KroneckerFactor, blocks_device
+from ..config import KFACConfig, KFACConfigError
+from ..curvature import Decomposition, KFACBlock, KroneckerFactor, RunningAverage, blocks_device
 from ..curvature.decomposition import Shape, State
 from ..curvature.factors import finite_flags
 from .plan import LayerShape, PlacementPlan
@@ -65,7 +71,11 @@ class Distributor:
         self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
         reduces = self.world > 1 and config.factor_reduction != "local"
         overlap = reduces and config.overlap_factor_comm
-        self.groups = RankGroups(self.plan.broadcast_sets(), group, overlap) if self.world > 1 else None
+        self.bases_everywhere = config.eigenvalue_correction and reduces and not self.plan.replicated
+        """Whether every rank holds every decomposition: it projects its examples' gradients on the eigenbases."""
+        self._refuse_local_correction()
+        sets = self.plan.broadcast_sets() + ([tuple(range(self.world))] if self.bases_everywhere else [])
+        self.groups = RankGroups(sets, group, overlap) if self.world > 1 else None
         self.rank = self.groups.rank if self.groups else 0
         self._blocks = {b.name: b for b in blocks}
         # Backward reaches the last layers first: buckets fill in reverse registration order.
@@ -73,6 +83,19 @@ class Distributor:
         self._unit = {b.name: u for u, b in enumerate(self._unit_blocks)}
         self.factor_buckets = self._make_factor_buckets(overlap) if reduces else None
         """The static buckets factors are reduced in (``None`` when nothing is reduced)."""
+
+    def _refuse_local_correction(self) -> None:
+        """With ``factor_reduction: "local"`` a layer's owner computes ``S`` from its own examples and sends it
+        nowhere, so the layer must have no other gradient worker."""
+        if not (self.config.eigenvalue_correction and self.config.factor_reduction == "local"):
+            return
+        shared = sorted(name for name, p in self.plan.layers.items() if len(p.grad_workers) > 1)
+        if shared:
+            raise KFACConfigError(
+                f'kfac.eigenvalue_correction with kfac.factor_reduction="local" needs one gradient worker per layer '
+                f'(grad_worker_fraction="mem-opt", no layer split between ZeRO partitions): the owner computes S '
+                f"from its own examples and does not send it, yet layers {shared} have several gradient workers"
+            )
 
     # ----------------------------------------------------------------- roles
     def collects(self, block: KFACBlock) -> bool:
@@ -86,6 +109,14 @@ class Distributor:
         """The data-parallel ranks that precondition the layer."""
         return self.plan.layers[block.name].grad_workers
 
+    def state_holders(self, block: KFACBlock) -> tuple[int, ...]:
+        """The data-parallel ranks that hold the layer's decomposition: its gradient workers, or every rank
+        (:attr:`bases_everywhere`)."""
+        return tuple(range(self.world)) if self.bases_everywhere else self.grad_workers(block)
+
+    def holds_state(self, block: KFACBlock) -> bool:
+        return self.rank in self.state_holders(block)
+
     def worker(self, name: str, side: str) -> int:
         """The rank that decomposes factor ``side`` ("A" or "G") of layer ``name``."""
         placement = self.plan.layers[name]
@@ -96,12 +127,12 @@ class Distributor:
         return self.rank == self.worker(name, side)
 
     def keeps(self, block: KFACBlock, side: str) -> bool:
-        """Whether this rank holds the running factor ``side`` of the layer."""
+        """Whether this rank holds the running statistic ``side`` ("A", "G", "S") of the layer."""
         return self.rank in self._keepers(block.name, side)
 
     def _keepers(self, name: str, side: str) -> tuple[int, ...]:
-        """The ranks holding the running factor ``side`` of layer ``name``."""
-        if self.config.factor_reduction == "allreduce":
+        """The ranks holding the running statistic ``side`` of layer ``name`` (``S``: the gradient workers)."""
+        if self.config.factor_reduction == "allreduce" or side == "S":
             return self.plan.layers[name].grad_workers
         return (self.worker(name, side),)
 
@@ -111,17 +142,26 @@ class Distributor:
 
     # ---------------------------------------------------------------- factors
     def _make_factor_buckets(self, overlap: bool) -> OrderedBuckets:
-        """The static buckets every rank reduces factors in: one unit (A, G) per layer."""
-        sizes = [[self._wire_numel(b.a), self._wire_numel(b.g)] for b in self._unit_blocks]
+        """The static buckets every rank reduces factors in: one unit (A, G[, S]) per layer. With ``reduce``,
+        ``A`` and ``G`` go to their decomposing ranks and ``S`` is all-reduced (every gradient worker keeps it)."""
+        sizes = [[self._wire_numel(stat) for stat in b.statistics().values()] for b in self._unit_blocks]
         dsts = None
         if self.config.factor_reduction == "reduce":
-            dsts = [[self._worker_global(b, "A"), self._worker_global(b, "G")] for b in self._unit_blocks]
+            dsts = [
+                [self._worker_global(b, side) if side != "S" else None for side in b.statistics()]
+                for b in self._unit_blocks
+            ]
         group = self.groups.overlap if overlap else self.group
         device = blocks_device(self._unit_blocks)
         return OrderedBuckets(sizes, self.config.factor_torch_dtype, device, group, self.bucket_bytes, dsts)
 
-    def _wire_numel(self, factor: KroneckerFactor) -> int:
-        return factor.dim * (factor.dim + 1) // 2 if self.config.symmetric_comm else factor.dim * factor.dim
+    def _symmetric(self, stat: RunningAverage) -> bool:
+        """Whether ``stat`` travels as its upper triangle (``symmetric_comm``: the Kronecker factors)."""
+        return self.config.symmetric_comm and isinstance(stat, KroneckerFactor)
+
+    def _wire_numel(self, stat: RunningAverage) -> int:
+        rows, cols = stat.shape
+        return rows * (rows + 1) // 2 if self._symmetric(stat) else rows * cols
 
     def statistics_ready(self, block: KFACBlock) -> None:
         """The layer's factors for this step are final (its last backward of the step ran):
@@ -142,48 +182,51 @@ class Distributor:
         if self.factor_buckets is not None:
             self.factor_buckets.cancel()
         for block in self._blocks.values():
-            block.a.discard_step()
-            block.g.discard_step()
+            for stat in block.statistics().values():
+                stat.discard_step()
 
     def _step_wire(self, unit: int) -> list[torch.Tensor]:
-        """A layer's step factors (A, G) as they travel; zeros where it gathered none this step
-        (such a layer is dropped on every rank after the presence check)."""
+        """A layer's step statistics (A, G[, S]) as they travel; zeros where it gathered none this step
+        (such a layer is dropped on every rank after the presence check; an ``S`` before the layer's first
+        eigenbasis is dropped by :meth:`reduce_factors`)."""
         block = self._unit_blocks[unit]
         out = []
-        for factor in (block.a, block.g):
-            value = factor.take_step()
+        for stat in block.statistics().values():
+            value = stat.take_step()
             if value is None:
                 device = block.adapter.module.weight.device
-                out.append(torch.zeros(self._wire_numel(factor), dtype=self.config.factor_torch_dtype, device=device))
+                out.append(torch.zeros(self._wire_numel(stat), dtype=self.config.factor_torch_dtype, device=device))
             else:
-                out.append(self._to_wire(value))
+                out.append(self._to_wire(value, stat))
         return out
 
     def reduce_factors(self, blocks: Sequence[KFACBlock]) -> list[tuple[KFACBlock, str, Optional[torch.Tensor]]]:
-        """This step's factors of ``blocks``, averaged over ranks where they are kept: per layer and
-        side ("A", "G") the mean factor, or ``None`` where this rank does not keep it. Values may be
-        views into the reduction's buffers (fold them in before the next step's reduction)."""
-        sides = [(b, side, f) for b in blocks for side, f in (("A", b.a), ("G", b.g))]
+        """This step's statistics of ``blocks``, averaged over ranks where they are kept: per layer and
+        side ("A", "G", "S") the mean, or ``None`` where this rank does not keep it. Values may be
+        views into the reduction's buffers (fold them in before the next step's reduction).
+
+        ``S`` is left out for a layer without a decomposition: no rank had an eigenbasis to project on
+        (every rank that collects holds the decomposition, and none changes between the hooks and here)."""
+        sides = [(b, side, stat) for b in blocks for side, stat in b.statistics().items()]
         if self.factor_buckets is None:
-            return [(b, side, f.take_step()) for b, side, f in sides]
-        wire = self.factor_buckets.finish(self._step_wire)
-        return [
-            (
-                b,
-                side,
-                self._from_wire(wire[self._unit[b.name]][0 if side == "A" else 1], f) if self.keeps(b, side) else None,
-            )
-            for b, side, f in sides
-        ]
+            reduced = [(b, side, stat.take_step()) for b, side, stat in sides]
+        else:
+            wire = self.factor_buckets.finish(self._step_wire)
+            reduced = [
+                (b, side, self._from_wire(wire[self._unit[b.name]][i], stat) if self.keeps(b, side) else None)
+                for b in blocks
+                for i, (side, stat) in enumerate(b.statistics().items())
+            ]
+        return [(b, side, value) for b, side, value in reduced if side != "S" or b.state is not None]
 
     @staticmethod
     def fold_factors(reduced: Sequence[tuple[KFACBlock, str, Optional[torch.Tensor]]], decay: float) -> list[str]:
-        """Fold reduced factors into the running averages (dropping those this rank does not keep).
-        A factor whose result is not finite in its storage dtype keeps its previous value. Returns
-        those factors, as ``"layer/A"`` or ``"layer/G"`` (one host sync for all)."""
+        """Fold reduced statistics into the running averages (dropping those this rank does not keep).
+        A statistic whose result is not finite in its storage dtype keeps its previous value. Returns
+        those statistics, as ``"layer/A"``, ``"layer/G"`` or ``"layer/S"`` (one host sync for all)."""
         blended = []
         for block, side, value in reduced:
-            factor = block.a if side == "A" else block.g
+            factor = block.statistics()[side]
             if value is None:
                 factor.value = None
             else:
@@ -197,16 +240,16 @@ class Distributor:
     def _worker_global(self, block: KFACBlock, side: str) -> int:
         return self.groups.to_global(self.worker(block.name, side))
 
-    def _to_wire(self, value: torch.Tensor) -> torch.Tensor:
-        """Factors travel in ``factor_dtype``, upper triangles only with ``symmetric_comm``."""
+    def _to_wire(self, value: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
+        """Statistics travel in ``factor_dtype``, factors as upper triangles only with ``symmetric_comm``."""
         value = value.to(self.config.factor_torch_dtype)
-        return pack_symmetric(value) if self.config.symmetric_comm else value
+        return pack_symmetric(value) if self._symmetric(stat) else value
 
-    def _from_wire(self, wire: torch.Tensor, factor: KroneckerFactor) -> torch.Tensor:
-        """The factor matrix of its wire form (a view when it travelled whole and in its arithmetic dtype)."""
-        if self.config.symmetric_comm:
-            return unpack_symmetric(wire, factor.dim)
-        return wire.view(factor.dim, factor.dim)
+    def _from_wire(self, wire: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
+        """The statistic's matrix of its wire form (a view when it travelled whole and in its arithmetic dtype)."""
+        if self._symmetric(stat):
+            return unpack_symmetric(wire, stat.shape[0])
+        return wire.view(stat.shape)
 
     # --------------------------------------------------------- decompositions
     def decompose(
@@ -217,10 +260,15 @@ class Distributor:
         return self.share_sides(blocks, *self.compute_sides(blocks, damping, due))
 
     def compute_sides(
-        self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
+        self,
+        blocks: Sequence[KFACBlock],
+        damping: float,
+        due: Optional[set[Key]] = None,
+        factors: Optional[dict[str, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = None,
     ) -> tuple[dict[Key, State], dict[str, set[str]]]:
         """This rank's decompositions: the sides of ``blocks`` assigned to it, and which sides each
-        layer refreshes. Local work only (no communication), so it can run in the background.
+        layer refreshes. Local work only (no communication), so it can run in the background, decomposing
+        ``factors`` (per layer ``(A, G)``, taken when it started; default: the running factors now).
 
         ``due`` limits the work to those (layer, side) pairs (adaptive refresh);
         a layer without a decomposition yet, or whose method decomposes both sides
@@ -236,8 +284,8 @@ class Distributor:
             do_g = "G" in needed[b.name] and self.rank == placement.g_worker
             if not (do_a or do_g):
                 continue
-            a = b.a.value if do_a else None
-            g = b.g.value if do_g else None
+            a, g = factors[b.name] if factors is not None else (b.a.value, b.g.value)
+            a, g = (a if do_a else None), (g if do_g else None)
             if (do_a and a is None) or (do_g and g is None):
                 a_side = g_side = None
             else:
@@ -251,14 +299,14 @@ class Distributor:
     def share_sides(
         self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
     ) -> tuple[list[KFACBlock], list[State]]:
-        """Share :meth:`compute_sides`'s results within each layer's column; return the candidate
-        states of the layers this rank is a gradient worker of, the sides not refreshed taken from
+        """Share :meth:`compute_sides`'s results with each layer's :meth:`state_holders`; return the candidate
+        states of the layers this rank holds, the sides not refreshed taken from
         the current state (the caller adopts them after a finiteness check)."""
         if self.world > 1:
             self._share_decompositions(blocks, sides, needed)
         chosen, states = [], []
         for b in blocks:
-            if not (needed[b.name] and self.is_grad_worker(b)):
+            if not (needed[b.name] and self.holds_state(b)):
                 continue
             split = len(self._side_shapes(b, "A"))
             old_a, old_g = (b.state[:split], b.state[split:]) if b.state is not None else (None, None)
@@ -268,11 +316,11 @@ class Distributor:
 
     def _sides_to_refresh(self, block: KFACBlock, due: Optional[set[Key]]) -> set[str]:
         """Which sides of a layer to decompose now. ``block.state is None`` is the same on all
-        of the layer's gradient workers (they adopt identical candidates), so they agree."""
+        of the layer's state holders (they adopt identical candidates), so they agree."""
         if due is None:
             return {"A", "G"}
         wanted = {side for side in ("A", "G") if (block.name, side) in due}
-        if wanted and (self.method.colocated or (self.is_grad_worker(block) and block.state is None)):
+        if wanted and (self.method.colocated or (self.holds_state(block) and block.state is None)):
             return {"A", "G"}
         return wanted
 
@@ -304,10 +352,10 @@ class Distributor:
     def _share_decompositions(
         self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
     ) -> None:
-        """Broadcast each side from its decomposing rank to the layer's other gradient workers."""
+        """Broadcast each side from its decomposing rank to the layer's other state holders."""
         tensors, srcs, groups = [], [], []
         for b in blocks:
-            workers = self.plan.layers[b.name].grad_workers
+            workers = self.state_holders(b)
             if self.rank not in workers or len(workers) == 1:
                 continue
             for side in ("A", "G"):
@@ -383,7 +431,8 @@ class Distributor:
         where = {
             "A": (self._keepers(name, "A"), p.a_worker, [(a, a)], factor),
             "G": (self._keepers(name, "G"), p.g_worker, [(g, g)], factor),
-            "state": (p.grad_workers, p.a_worker, a_side + g_side, inv),
+            "S": (self._keepers(name, "S"), p.a_worker, [(g, a)], factor),
+            "state": (self.state_holders(block), p.a_worker, a_side + g_side, inv),
             "A_refs": ((p.a_worker,), p.a_worker, [(a, a)] * 2, factor),
             "G_refs": ((p.g_worker,), p.g_worker, [(g, g)] * 2, factor),
         }
@@ -396,7 +445,7 @@ class Distributor:
 
 @dataclass(frozen=True)
 class _StateEntry:
-    """One entry of a layer's saved state (``key``: ``A``, ``G``, ``state``, ``A_refs`` or ``G_refs``):
+    """One entry of a layer's saved state (``key``: ``A``, ``G``, ``S``, ``state``, ``A_refs`` or ``G_refs``):
     the rank it is taken from, and the shapes and dtype of its tensors."""
 
     name: str
@@ -413,7 +462,7 @@ class _StateEntry:
 
     def value(self, tensors: list[Optional[torch.Tensor]]) -> Any:
         """The inverse of :meth:`tensors`: a factor, a decomposition (a list, or ``None``), or the references."""
-        if self.key in ("A", "G"):
+        if self.key in ("A", "G", "S"):
             return tensors[0]
         if self.key == "state":
             return None if tensors[0] is None else tensors
