@@ -10,7 +10,17 @@ from pathlib import Path
 import launch
 import pytest
 import torch
-from test_deepspeed import BF16_TOL, FP32_TOL, GA, KFAC, WORLD, assert_ranks_identical, factor_bytes, reference
+from test_deepspeed import (
+    BF16_TOL,
+    FP32_TOL,
+    GA,
+    KFAC,
+    WORLD,
+    assert_ranks_identical,
+    factor_bytes,
+    fp32_tolerance,
+    reference,
+)
 from workers import problem
 
 pytestmark = pytest.mark.timeout(420)
@@ -30,20 +40,23 @@ SCENARIOS = {
     "bf16": {"ds": {**STAGE3, "bf16": {"enabled": True}}, "kfac": MEM_OPT},
     "local": {"ds": STAGE3, "kfac": {**MEM_OPT, "factor_reduction": "local"}},
     "local_stage0": {"kfac": {**MEM_OPT, "factor_reduction": "local"}},
+    "corrected": {"ds": STAGE3, "kfac": {**MEM_OPT, "eigenvalue_correction": True}},
 }
-FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive")
+FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected")
+RESUMED = {"allreduce": "resumed", "corrected": "resumed_corrected"}
+"""Scenarios saved after step SAVE_AT, and the scenario resuming each."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("zero3")
-    ckpt = str(out / "ckpt")
     scenarios = {name: {**s, "steps": STEPS} for name, s in SCENARIOS.items()}
-    scenarios["allreduce"]["save"] = {"dir": ckpt, "at": SAVE_AT}
-    scenarios["resumed"] = {**SCENARIOS["allreduce"], "steps": STEPS, "load": ckpt}
+    for saved, resumed in RESUMED.items():
+        scenarios[saved]["save"] = {"dir": str(out / saved), "at": SAVE_AT}
+        scenarios[resumed] = {**SCENARIOS[saved], "steps": STEPS, "load": str(out / saved)}
     scenarios["comm_opt"] = {"ds": STAGE3, "kfac": KFAC, "steps": 1, "expect_error": True}
     results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
-    results["ckpt"] = ckpt
+    results["ckpt"] = str(out / "allreduce")
     return results
 
 
@@ -56,7 +69,7 @@ def test_zero3_matches_single_process(runs: dict, variant: str) -> None:
     expected, _ = reference(STEPS, **SCENARIOS[variant]["kfac"])
     results = runs[variant]
     assert_ranks_identical(results)
-    tolerance = BF16_TOL if variant == "bf16" else FP32_TOL
+    tolerance = BF16_TOL if variant == "bf16" else fp32_tolerance(SCENARIOS[variant]["kfac"])
     for got, want in zip(results[0]["params"], expected):
         torch.testing.assert_close(got, want, **tolerance)
     for r in results:
@@ -123,10 +136,11 @@ def test_bytes_on_the_wire_match_the_formula(runs: dict) -> None:
     assert each_way < full_gradient  # what one all-to-all moves, over all ranks together
 
 
-def test_checkpoint_resume_is_bitwise(runs: dict) -> None:
+@pytest.mark.parametrize("saved", list(RESUMED))
+def test_checkpoint_resume_is_bitwise(runs: dict, saved: str) -> None:
     """Saved after step 3 and resumed on the same 2 ranks: the same parameters, bit for bit, as the run
-    that did not stop."""
-    straight, resumed = runs["allreduce"], runs["resumed"]
+    that did not stop (with the eigenvalue correction: S saved from each layer's one gradient worker)."""
+    straight, resumed = runs[saved], runs[RESUMED[saved]]
     assert resumed[0]["kfac"]["steps"] == STEPS
     for r in range(WORLD):
         for a, b in zip(straight[r]["params"], resumed[r]["params"]):
