@@ -55,6 +55,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
         scenarios[saved]["save"] = {"dir": str(out / saved), "at": SAVE_AT}
         scenarios[resumed] = {**SCENARIOS[saved], "steps": STEPS, "load": str(out / saved)}
     scenarios["comm_opt"] = {"ds": STAGE3, "kfac": KFAC, "steps": 1, "expect_error": True}
+    local_corrected = {**KFAC, "factor_reduction": "local", "eigenvalue_correction": True}
+    scenarios["local_corrected_comm_opt"] = {"kfac": local_corrected, "steps": 1, "expect_error": True}
     results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
     results["ckpt"] = str(out / "allreduce")
     return results
@@ -151,6 +153,10 @@ def test_more_than_one_gradient_worker_is_refused(runs: dict) -> None:
     for result in runs["comm_opt"]:
         assert "KFACConfigError" in result["error"]
         assert "grad_worker_fraction='comm-opt' (2 gradient workers per layer) at ZeRO stage 3" in result["error"]
+    # (at stage 0) with local factors the owner's S is not sent to the layer's other gradient workers
+    for result in runs["local_corrected_comm_opt"]:
+        assert "KFACConfigError" in result["error"]
+        assert 'eigenvalue_correction with kfac.factor_reduction="local" needs one gradient worker' in result["error"]
 
 
 def test_resume_at_another_world_size(runs: dict, tmp_path: Path) -> None:
