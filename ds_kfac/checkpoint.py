@@ -31,6 +31,7 @@ METHOD_KEYS = (
     "eigenvalue_correction",
     "relative_damping",
     "conv_factors",
+    "fisher",
 )
 """Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
 they match."""

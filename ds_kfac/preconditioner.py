@@ -36,12 +36,14 @@ from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import (
     AdaptiveRefresh,
     Background,
+    FisherLoss,
     KFACBlock,
     StackedStates,
     all_finite,
     blocks_device,
     curvature_floor,
     method_for,
+    sampled_loss,
 )
 from .health import Health
 from .layers import LayerAdapter, SkippedLayer, find_layers
@@ -253,6 +255,7 @@ class KFACPreconditioner:
             relays=relays,
             factor_micro_batches=self.config.factor_micro_batches,
             micro_batch=micro_batch,
+            sampled=self.config.fisher == "sampled",
         )
 
     def _check_tensor_parallel(
@@ -274,6 +277,8 @@ class KFACPreconditioner:
             problems.append('factor_reduction="local" with tensor_parallel_factors="exact"')
         if self.config.eigenvalue_correction:
             problems.append("eigenvalue_correction (per-example gradients of sharded layers are not gathered)")
+        if self.config.fisher == "sampled":
+            problems.append('fisher="sampled" (the sharded layers\' rows travel in every backward pass)')
         if problems:
             raise KFACConfigError("K-FAC with tensor-parallel layers does not support: " + "; ".join(problems))
 
@@ -303,6 +308,47 @@ class KFACPreconditioner:
         self.distributor.discard_statistics()
         self.collector.discard()
 
+    # ------------------------------------------------------------ sampled Fisher
+    def sample_fisher(
+        self,
+        output: torch.Tensor,
+        loss: FisherLoss = "cross_entropy",
+        labels: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        generator: Optional[torch.Generator] = None,
+    ) -> bool:
+        """With ``fisher: "sampled"``, take this micro-batch's factors from a loss whose targets are sampled from the
+        model's predictive distribution (SP-NGD's one-sample Fisher); call it after the forward pass, before the
+        training loss's backward (``engine.backward(loss)``), on every micro-batch.
+
+        On the micro-batches that gather factors it samples the targets (:func:`~ds_kfac.curvature.fisher.sampled_loss`:
+        ``output`` the model's logits for ``"cross_entropy"``, its prediction for ``"mse"``; ``labels`` leave out
+        the positions the training loss ignores) and back-propagates that loss to the registered layers' outputs
+        only, keeping the graph: every ``.grad`` stays what the training loss makes it. Elsewhere (other steps,
+        ``fisher: "empirical"``, evaluation) it does nothing. Returns whether it ran a backward pass.
+
+        ``generator``: the sampling's random numbers; by default a generator seeded from the step, the number of
+        sampled passes in it and the global rank, so a run (and one resumed from a checkpoint) samples the same
+        targets."""
+        if not self.collector.sampled or not self.collector.collecting:
+            return False
+
+        def scaled(detached: torch.Tensor) -> torch.Tensor:
+            """The sampled loss, scaled as the training loss (divided by the accumulation, times the loss scale),
+            which the hooks undo."""
+            scale = self.collector.loss_scale() if self.collector.loss_scale is not None else 1.0
+            sampler = generator if generator is not None else self._sampling_generator(output.device)
+            return sampled_loss(detached, loss, sampler, labels, ignore_index) * (scale / self.accumulation_steps)
+
+        return self.collector.sampled_backward(output, scaled)
+
+    def _sampling_generator(self, device: torch.device) -> torch.Generator:
+        """A generator seeded from the step, the sampled passes so far in it and the global rank: the same targets
+        in a run and in one resumed from a checkpoint, other targets on each rank and micro-batch."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        seed = (self.steps * 4099 + self.collector.sampled_passes) * 65537 + rank
+        return torch.Generator(device).manual_seed(seed)
+
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> None:
@@ -320,6 +366,13 @@ class KFACPreconditioner:
         skipped with a warning and counted as ``steps_without_backward``."""
         if not self.collector.backward_seen:
             return self._no_backward()
+        if self.collector.sampled and self.collector.collecting and not self.collector.sampled_passes:
+            raise RuntimeError(
+                f'K-FAC step {self.steps} updates factors with fisher="sampled", but no sampled backward pass reached '
+                f"a registered layer: call kfac.sample_fisher(logits, loss) after each forward pass, before the "
+                f"training loss's backward, in training mode (not with reentrant activation checkpointing, whose "
+                f"layer outputs it cannot reach)"
+            )
         self.update_curvature()
         s, layout, distributor = self.steps, self.layout, self.distributor
         blocks, grads, fragments = layout.gather(self.blocks, distributor.grad_workers)

@@ -38,10 +38,12 @@ def reference(
     steps: int, skip: tuple[int, ...] = (), world: int = WORLD, **keys
 ) -> tuple[list[torch.Tensor], KFACPreconditioner]:
     """Single process, plain PyTorch: the concatenated global batch of ``world`` ranks, every step. With
-    ``factor_micro_batches``, in ``GA`` parts of ``world`` ranks' micro-batches each, as the engine sees them."""
+    ``factor_micro_batches``, in ``GA`` parts of ``world`` ranks' micro-batches each, as the engine sees them; with
+    the sampled Fisher, each rank's micro-batch one by one, sampled with its generator (workers/problem.py)."""
     model = problem.make_model()
     opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
-    parts, index = (GA if "factor_micro_batches" in keys else 1), [0]
+    sampled = keys.get("fisher") == "sampled"
+    parts, index = (GA if "factor_micro_batches" in keys else GA * world if sampled else 1), [0]
     kfac = KFACPreconditioner(
         model, optimizer=opt, accumulation_steps=parts, micro_batch=lambda: index[0], **{**KFAC, **keys}
     )
@@ -51,7 +53,9 @@ def reference(
         x, y = problem.global_batch(step, world * MICRO * GA)
         opt.zero_grad()
         for index[0], (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
-            (problem.loss_fn(model(xs), ys) / parts).backward()
+            out = model(xs)
+            kfac.sample_fisher(out, "mse", generator=problem.sampling_generator(step, *divmod(index[0], world)))
+            (problem.loss_fn(out, ys) / parts).backward()
         kfac.step()
         opt.step()
     return [p.detach().clone() for p in model.parameters()], kfac
@@ -107,6 +111,12 @@ PLACEMENT_VARIANTS = {
         "kfac": {"grad_worker_fraction": "mem-opt", "eigenvalue_correction": True},
     },
     "stage0_corrected_async": {"kfac": {"eigenvalue_correction": True, "async_decompositions": True}},
+    # The sampled Fisher: G from an extra backward of targets sampled from the model (MSE: the output plus
+    # standard normal noise), its overlapped reduction starting in that pass; with the correction's S from it too.
+    "stage2_sampled_fisher": {"ds": {"zero_optimization": {"stage": 2}}, "kfac": {"fisher": "sampled"}},
+    "stage0_mem_opt_sampled_corrected": {
+        "kfac": {"grad_worker_fraction": "mem-opt", "fisher": "sampled", "eigenvalue_correction": True}
+    },
 }
 BF16_VARIANTS = {
     "stage0_bf16": {"bf16": {"enabled": True}},

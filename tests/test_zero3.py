@@ -57,6 +57,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     scenarios["comm_opt"] = {"ds": STAGE3, "kfac": KFAC, "steps": 1, "expect_error": True}
     local_corrected = {**KFAC, "factor_reduction": "local", "eigenvalue_correction": True}
     scenarios["local_corrected_comm_opt"] = {"kfac": local_corrected, "steps": 1, "expect_error": True}
+    sampled = {**MEM_OPT, "fisher": "sampled"}
+    scenarios["sampled_fisher"] = {"ds": STAGE3, "kfac": sampled, "steps": 1, "expect_error": True}
     results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
     results["ckpt"] = str(out / "allreduce")
     return results
@@ -149,7 +151,7 @@ def test_checkpoint_resume_is_bitwise(runs: dict, saved: str) -> None:
             assert torch.equal(a, b)
 
 
-def test_more_than_one_gradient_worker_is_refused(runs: dict) -> None:
+def test_unsupported_combinations_are_refused(runs: dict) -> None:
     for result in runs["comm_opt"]:
         assert "KFACConfigError" in result["error"]
         assert "grad_worker_fraction='comm-opt' (2 gradient workers per layer) at ZeRO stage 3" in result["error"]
@@ -157,6 +159,9 @@ def test_more_than_one_gradient_worker_is_refused(runs: dict) -> None:
     for result in runs["local_corrected_comm_opt"]:
         assert "KFACConfigError" in result["error"]
         assert 'eigenvalue_correction with kfac.factor_reduction="local" needs one gradient worker' in result["error"]
+    # the sampled Fisher's extra backward would run through ZeRO 3's parameter gathering
+    for result in runs["sampled_fisher"]:
+        assert 'KFACConfigError: K-FAC does not support yet: kfac.fisher="sampled" at ZeRO stage 3' in result["error"]
 
 
 def test_resume_at_another_world_size(runs: dict, tmp_path: Path) -> None:

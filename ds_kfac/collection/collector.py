@@ -13,6 +13,11 @@ gradient anyway), and the backward hook computes its rows once for ``A`` and
 for the per-example gradients of ``S``, which need each example's input and
 output-gradient rows together.
 
+With the sampled Fisher, ``G`` comes from an extra backward pass of a loss
+with sampled targets (:meth:`FactorCollector.sampled_backward`): the hooks
+count the statistics of that pass only, and the training loss's backward
+passes through them.
+
 The collector also records what the step checks before preconditioning:
 whether any registered layer received a backward since the step began
 (:attr:`FactorCollector.backward_seen`), whether its hooks ever ran
@@ -30,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from ..curvature import KFACBlock
 from ..layers import LayerAdapter
@@ -49,6 +55,10 @@ class _Input:
     """A layer call's input, kept from the forward to the backward hook (eigenvalue correction)."""
 
     x: torch.Tensor
+
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+"""The name of a leaf's backward node (a parameter's, when it is an input of the node that made the output)."""
 
 
 def _in_backward() -> bool:
@@ -76,6 +86,7 @@ class FactorCollector:
             (``None``: all of them); the earlier ones run no statistic.
         micro_batch: the index (0-based) within the optimizer step of the micro-batch whose forward pass is
             running; required when ``factor_micro_batches`` is fewer than ``accumulation_steps``.
+        sampled: take the statistics from :meth:`sampled_backward` only (``fisher: "sampled"``).
     """
 
     def __init__(
@@ -90,8 +101,17 @@ class FactorCollector:
         relays: Sequence[LayerAdapter] = (),
         factor_micro_batches: Optional[int] = None,
         micro_batch: Optional[Callable[[], int]] = None,
+        sampled: bool = False,
     ) -> None:
         self.distributor = distributor
+        self.sampled = sampled
+        """Whether the statistics come from :meth:`sampled_backward` (the sampled Fisher), not the training loss."""
+        self.sampling = False
+        """Whether :meth:`sampled_backward`'s pass is running."""
+        self.sampled_passes = 0
+        """Sampled backward passes that reached registered layers since :meth:`arm`."""
+        # Outputs whose statistics await the sampled pass, with the hook that counts them.
+        self._awaiting: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
         self.timer = timer
         self.accumulation_steps = accumulation_steps
         self.loss_scale = loss_scale
@@ -114,6 +134,7 @@ class FactorCollector:
         """Start a step: gather factors during it or not."""
         self.collecting = collecting
         self.backward_seen = False
+        self.sampled_passes = 0
         self.discard()
 
     def _gathering(self, module: nn.Module) -> bool:
@@ -127,6 +148,7 @@ class FactorCollector:
         """Forget this step's call counts (its statistics are taken or dropped)."""
         self._forwards.clear()
         self._backwards.clear()
+        self._awaiting = []
 
     def unanswered(self) -> dict[str, int]:
         """Per layer, this step's forward calls whose output got no backward (e.g. a metric computed
@@ -155,7 +177,61 @@ class FactorCollector:
                 pending = block.a.statistic(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
             if not _in_backward():  # a recomputation stands in for a forward already counted
                 self._forwards[block.name] += 1
-            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x), pending))
+            hook = partial(self._output_grad_hook, block, block.adapter.batch_size(x), pending)
+            output.register_hook(hook)
+            if self.sampled:
+                self._awaiting.append((output, hook))
+
+    def sampled_backward(self, output: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Back-propagate ``loss(output)`` (targets sampled from the model) to the outputs of the registered layers'
+        calls since the last such pass, so that their hooks count this pass's statistics. Returns whether any call
+        awaited it (none: not a micro-batch that gathers factors, or a forward outside training mode), and only
+        then computes the loss.
+
+        ``loss`` is taken of a detached copy of ``output``; its gradient enters the graph below ``output``: the
+        backward node that made ``output`` is called directly, and ``torch.autograd.grad`` goes on from that node's
+        inputs to the awaiting outputs only, keeping the graph for the training loss's backward. So hooks on
+        ``output`` itself (DeepSpeed's engine hooks its forward's outputs to start its gradient reduction) do not
+        run, no parameter's ``.grad`` is touched, and of the weight gradients only that node's (discarded) is
+        computed. An awaiting output that is ``output`` itself gets its hook called with the loss's gradient."""
+        awaiting, self._awaiting = self._awaiting, []
+        if not awaiting:
+            return False
+        if output.grad_fn is None or output.output_nr != 0:
+            raise ValueError(
+                "sample_fisher needs the model's output as its forward made it (a tensor with a backward node, the "
+                "node's first output): not a detached tensor, nor one output of a multi-output operation"
+            )
+        leaf = output.detach().requires_grad_()
+        with torch.enable_grad():
+            (root,) = torch.autograd.grad(loss(leaf), leaf)
+        root = root.to(output.dtype)
+        node = output.grad_fn
+        self.sampling = True
+        try:
+            inner = []
+            for out, hook in awaiting:
+                if out.grad_fn is node and out.output_nr == 0:
+                    hook(root)
+                else:
+                    inner.append(out)
+            if inner:
+                below = [  # the node's inputs but parameters (leaves, whose gradient the engine would sum to shape)
+                    (GradientEdge(fn, nr), grad)
+                    for (fn, nr), grad in zip(node.next_functions, node(root))
+                    if fn is not None and grad is not None and fn.name() != ACCUMULATE_GRAD
+                ]
+                torch.autograd.grad(
+                    [edge for edge, _ in below],
+                    inner,
+                    grad_outputs=[grad for _, grad in below],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+        finally:
+            self.sampling = False
+        self.sampled_passes += 1
+        return True
 
     def _relay_forward_hook(self, adapter: LayerAdapter, module: nn.Module, inputs: tuple, output: Any) -> None:
         """:meth:`_forward_hook` of a layer whose factors another rank holds: send it this rank's rows."""
@@ -186,6 +262,13 @@ class FactorCollector:
         (and ``S``) from ``grad``, the gradient of the call's output."""
         with self.timer.phase("hooks"):
             self.backward_seen = True
+            if self.sampled and not self.sampling:
+                # The training loss's backward: G is the sampled pass's, which can no longer run on the calls before
+                # it. The statistics are handed over from here, where the accumulation boundary is known
+                # (accelerate sets it only in its backward).
+                self._awaiting = []
+                self._hand_over_when_complete(block)
+                return
             if self.distributor.handed_over(block):
                 raise RuntimeError(
                     f"K-FAC layer {block.name!r} ran again after its factors for this step were final and sent "
@@ -206,9 +289,14 @@ class FactorCollector:
                 block.a.add(pending)
             block.g.accumulate(g_rows, c)
             self._backwards[block.name] += 1
-            # Complete once every counted forward call of the step has had its backward (a layer called
-            # several times per micro-batch waits for its last call; under reentrant checkpointing every
-            # forward runs inside the backward and none is counted).
-            done = self.last_micro_batch is not None and self._backwards[block.name] >= self._forwards[block.name]
-            if done and self.last_micro_batch():
-                self.distributor.statistics_ready(block)
+            if not self.sampled:
+                self._hand_over_when_complete(block)
+
+    def _hand_over_when_complete(self, block: KFACBlock) -> None:
+        """Hand the layer's statistics to the reduction if they are complete: in the last micro-batch, once every
+        counted forward call of the step has had its backward (a layer called several times per micro-batch waits
+        for its last call; under reentrant checkpointing every forward runs inside the backward and none is
+        counted)."""
+        done = self.last_micro_batch is not None and self._backwards[block.name] >= self._forwards[block.name]
+        if done and self.last_micro_batch() and not self.distributor.handed_over(block):
+            self.distributor.statistics_ready(block)

@@ -119,6 +119,7 @@ class KFACConfig(BaseModel):
     compute_method: Literal["eigen", "inverse"] = "eigen"
     eigenvalue_outer_product: bool = False
     eigenvalue_correction: bool = False
+    fisher: Literal["empirical", "sampled"] = "empirical"
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"

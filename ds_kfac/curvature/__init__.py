@@ -14,6 +14,7 @@ from .decomposition import (
     method_for,
 )
 from .factors import KroneckerFactor, RunningAverage
+from .fisher import FisherLoss, sampled_loss
 from .refresh import AdaptiveRefresh
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Decomposition",
     "EigenDecomposition",
     "EigenvalueCorrection",
+    "FisherLoss",
     "EigenOuterDecomposition",
     "InverseDecomposition",
     "KFACBlock",
@@ -33,4 +35,5 @@ __all__ = [
     "blocks_device",
     "curvature_floor",
     "method_for",
+    "sampled_loss",
 ]

@@ -100,7 +100,10 @@ def train(scenario: dict) -> dict:
         before = dict(STATS)
         for m in range(ga):
             rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
-            loss = problem.loss_fn(engine(x[rows].to(engine.device, dtype)), y[rows].to(engine.device))
+            out = engine(x[rows].to(engine.device, dtype))
+            if kfac is not None:  # does nothing unless the config says fisher: "sampled"
+                kfac.sample_fisher(out, "mse", generator=problem.sampling_generator(step, m, rank))
+            loss = problem.loss_fn(out, y[rows].to(engine.device))
             if step == scenario.get("nan_step"):
                 loss = loss * float("nan")
             engine.backward(loss)

@@ -59,5 +59,11 @@ def global_batch(step: int, size: int, model: nn.Module | None = None) -> tuple[
     return torch.randn(size, first, generator=g), torch.randn(size, last, generator=g)
 
 
+def sampling_generator(step: int, micro_batch: int, rank: int) -> torch.Generator:
+    """The sampled Fisher's random numbers for a rank's micro-batch of a step: the same in a distributed run and in
+    its single-process reference, which runs each rank's micro-batches one by one."""
+    return torch.Generator().manual_seed(100_000 * step + 100 * micro_batch + rank)
+
+
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out.float() - target) ** 2).mean()
