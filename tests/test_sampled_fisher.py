@@ -84,28 +84,30 @@ def test_step_preconditions_with_the_sampled_g(case: str) -> None:
     assert not torch.allclose(expected, ref.precondition_eigen(a, empirical, grad, DAMPING), rtol=1e-3)
 
 
-def test_inner_layers_get_the_sampled_g_through_the_network() -> None:
+@pytest.mark.parametrize("shape", [(8,), (3, 4)], ids=["batch", "sequence"])
+def test_inner_layers_get_the_sampled_g_through_the_network(shape: tuple[int, ...]) -> None:
     """Two layers: the first layer's G comes from the sampled output gradients back-propagated by hand through the
-    second layer and the tanh (the pass starts below the output's own backward node)."""
+    second layer and the tanh (the pass starts below the output's own backward node: an addmm, or for a sequence
+    the view after it)."""
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4)).double()
-    x, targets = torch.randn(8, 5).double(), torch.randint(0, 4, (8,))
+    x, targets = torch.randn(*shape, 5).double(), torch.randint(0, 4, shape)
     first, second = copy.deepcopy(model[0]), copy.deepcopy(model[2])
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     kfac = KFACPreconditioner(model, optimizer=opt, damping=DAMPING, fisher="sampled", **FLOAT64)
     out = model(x)
     kfac.sample_fisher(out, "cross_entropy", generator=torch.Generator().manual_seed(SEED))
-    F.cross_entropy(out, targets).backward()
+    _training_loss(out, targets, "cross_entropy").backward()
     kfac.step()
     opt.step()
 
     h = first(x)
-    F.cross_entropy(second(torch.tanh(h)), targets).backward()
+    _training_loss(second(torch.tanh(h)), targets, "cross_entropy").backward()
     grad = torch.cat([first.weight.grad, first.bias.grad[:, None]], 1)
     out_grads = _sampled_output_grads(second(torch.tanh(h)).detach(), targets, "cross_entropy")
     h_grads = (out_grads @ second.weight.detach()) * (1 - torch.tanh(h.detach()) ** 2)
     a = ref.second_moment(ref.linear_rows(x, bias=True))
-    g = ref.second_moment(h_grads, x.shape[0])
+    g = ref.second_moment(h_grads.reshape(-1, 6), x.shape[0])
     expected = ref.precondition_eigen(a, g, grad, DAMPING)
     delta = torch.cat([(model[0].weight - first.weight).detach(), (model[0].bias - first.bias).detach()[:, None]], 1)
     torch.testing.assert_close(delta, -expected, rtol=1e-9, atol=1e-12)

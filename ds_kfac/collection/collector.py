@@ -216,9 +216,10 @@ class FactorCollector:
                 else:
                     inner.append(out)
             if inner:
+                grads = node(root)  # a node with one input returns a tensor, others a tuple
                 below = [  # the node's inputs but parameters (leaves, whose gradient the engine would sum to shape)
                     (GradientEdge(fn, nr), grad)
-                    for (fn, nr), grad in zip(node.next_functions, node(root))
+                    for (fn, nr), grad in zip(node.next_functions, (grads,) if torch.is_tensor(grads) else grads)
                     if fn is not None and grad is not None and fn.name() != ACCUMULATE_GRAD
                 ]
                 torch.autograd.grad(
