@@ -36,9 +36,12 @@ from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import (
     AdaptiveRefresh,
     Background,
+    CurvatureBlock,
     FisherLoss,
     KFACBlock,
     StackedStates,
+    UnitWiseBlock,
+    UnitWiseInverse,
     all_finite,
     blocks_device,
     curvature_floor,
@@ -46,7 +49,7 @@ from .curvature import (
     sampled_loss,
 )
 from .health import Health
-from .layers import LayerAdapter, SkippedLayer, find_layers
+from .layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout, TensorParallelGradients, WholeGradients, split_tensor_parallel
 from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
@@ -106,7 +109,7 @@ def _refuse_layers_differing_between_ranks(
         )
 
 
-def _uncurved(block: KFACBlock, state: Optional[tuple], no: torch.Tensor) -> torch.Tensor:
+def _uncurved(block: CurvatureBlock, state: Optional[tuple], no: torch.Tensor) -> torch.Tensor:
     """Whether ``state``, a candidate decomposition of ``block``, has no usable curvature (a device bool; ``no``
     where its method cannot tell, or there is no state)."""
     flag = None if state is None else block.method.uncurved(state)
@@ -208,6 +211,7 @@ class KFACPreconditioner:
             conv_factors=self.config.conv_factors,
             warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
             tensor_parallel_factors=self.config.tensor_parallel_factors,
+            batchnorm=self.config.batchnorm == "unit-wise",
         )
         _refuse_layers_differing_between_ranks(layers, self.skipped_layers, process_group, model)
         relays = []
@@ -218,24 +222,13 @@ class KFACPreconditioner:
             layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
             if model_parallel_group is None:
                 self.model_parallel_group = model_parallel_group = tensor_parallel.group
-        method = method_for(self.config)
-        self.blocks = [
-            KFACBlock(
-                name,
-                adapter,
-                method,
-                self.config.factor_torch_dtype,
-                self.config.inv_torch_dtype,
-                eigenvalue_correction=self.config.eigenvalue_correction,
-            )
-            for name, adapter in layers
-        ]
+        self.blocks = [self._block(name, adapter) for name, adapter in layers]
         self.layout = layout or WholeGradients()
         """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
         holders = self.layout.block_holders(self.blocks)
-        self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes, holders)
+        self.distributor = Distributor(self.blocks, self.config, process_group, bucket_bytes, holders)
         self._by_name = {b.name: b for b in self.blocks}
-        factor_keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
+        factor_keys = [(b.name, side) for b in self.blocks for side in b.sides]
         adaptive = self.config.inv_update_steps == "adaptive"
         self.refresh = AdaptiveRefresh(factor_keys, self.config.adaptive_threshold) if adaptive else None
         self.state = TrainingState(self.blocks, self.refresh)
@@ -256,6 +249,20 @@ class KFACPreconditioner:
             factor_micro_batches=self.config.factor_micro_batches,
             micro_batch=micro_batch,
             sampled=self.config.fisher == "sampled",
+        )
+
+    def _block(self, name: str, adapter: LayerAdapter) -> CurvatureBlock:
+        """The curvature block of a registered layer: unit-wise for BatchNorm, Kronecker-factored otherwise."""
+        factor_dtype, inv_dtype = self.config.factor_torch_dtype, self.config.inv_torch_dtype
+        if isinstance(adapter, BatchNormAdapter):
+            return UnitWiseBlock(name, adapter, UnitWiseInverse(self.config.relative_damping), factor_dtype, inv_dtype)
+        return KFACBlock(
+            name,
+            adapter,
+            method_for(self.config),
+            factor_dtype,
+            inv_dtype,
+            eigenvalue_correction=self.config.eigenvalue_correction,
         )
 
     def _check_tensor_parallel(
@@ -459,7 +466,7 @@ class KFACPreconditioner:
                     intervals = self.distributor.agree_intervals(due, self.refresh.decide)
                     self._update_decompositions(damping, set(due))
                     for (name, side), interval in zip(due, intervals):
-                        factor = self._by_name[name].a if side == "A" else self._by_name[name].g
+                        factor = self._by_name[name].statistics()[side]
                         held = self.distributor.holds(name, side)
                         self.refresh.refreshed((name, side), s, interval, factor.value if held else None)
         elif self._is_decomposition_step(s):
@@ -482,13 +489,13 @@ class KFACPreconditioner:
         seen = self._seen_blocks()
         damping = self.config.at("damping", started)
         # The factors as they are now: the next step folds new ones in (never in place) before installing.
-        factors = {b.name: (b.a.value, b.g.value) for b in seen}
+        factors = {b.name: {side: b.statistics()[side].value for side in b.sides} for b in seen}
         job = Background(
             partial(self.distributor.compute_sides, seen, damping, factors=factors), blocks_device(self.blocks)
         )
         self.state.scalars.pending = PendingDecompositions(started, install_at, seen, job)
 
-    def _seen_blocks(self) -> list[KFACBlock]:
+    def _seen_blocks(self) -> list[CurvatureBlock]:
         """The blocks that have had factors (the same on every rank): those that are decomposed."""
         return [b for b in self.blocks if b.name in self.state.scalars.seen]
 
@@ -518,7 +525,7 @@ class KFACPreconditioner:
         if unanswered:
             self.health.unanswered_forwards(unanswered)
 
-    def _blocks_with_statistics(self) -> list[KFACBlock]:
+    def _blocks_with_statistics(self) -> list[CurvatureBlock]:
         """Blocks whose hooks fired this step, agreed on by all ranks; report (once) and
         reset those whose did not. In ``local`` mode only a layer's owner collects."""
         present = [self.distributor.has_statistics(b) for b in self.blocks]
@@ -535,8 +542,8 @@ class KFACPreconditioner:
         missing = [b.name for b, ok in zip(self.blocks, present) if not ok]
         for b, ok in zip(self.blocks, present):
             if not ok:
-                b.a.discard_step()
-                b.g.discard_step()
+                for stat in b.statistics().values():
+                    stat.discard_step()
         if missing:
             self.health.missing_layers(missing)
         ready = [b for b, ok in zip(self.blocks, present) if ok]
@@ -546,7 +553,7 @@ class KFACPreconditioner:
     def _update_decompositions(self, damping: float, due: Optional[set[tuple[str, str]]] = None) -> None:
         self._adopt(*self.distributor.decompose(self._seen_blocks(), damping, due))
 
-    def _adopt(self, chosen: list[KFACBlock], states: list[tuple]) -> None:
+    def _adopt(self, chosen: list[CurvatureBlock], states: list[tuple]) -> None:
         """Install the candidate decompositions that are finite; keep the previous ones of the others."""
         candidates = list(zip(chosen, states))
         if not candidates:
@@ -670,16 +677,21 @@ class KFACPreconditioner:
 
     def _state_layout(self) -> StateLayout:
         """What a state must hold to load here."""
-        method, layers = self.distributor.method, {}
-        for b in self.blocks:
-            a_side, g_side = method.side_shapes(b.adapter.a_dim, b.adapter.g_dim)
-            layers[b.name] = LayerLayout(b.adapter.a_dim, b.adapter.g_dim, a_side + g_side)
+        layers = {
+            b.name: LayerLayout(
+                b.adapter.a_dim,
+                b.adapter.g_dim,
+                {key: stat.shape for key, stat in b.statistics().items()},
+                b.sides,
+                b.method.name,
+                [shape for shapes in b.side_shapes().values() for shape in shapes],
+            )
+            for b in self.blocks
+        }
         return StateLayout(
             method_keys={key: getattr(self.config, key) for key in METHOD_KEYS},
-            method=method.name,
             layers=layers,
             adaptive=self.refresh is not None,
-            correction=self.config.eigenvalue_correction,
         )
 
     def load_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> None:
@@ -690,12 +702,9 @@ class KFACPreconditioner:
         for b in self.blocks:
             entry = state["layers"][b.name]
             device = b.adapter.module.weight.device
-            a, g = (None if t is None else t.to(device, factor_dtype) for t in (entry["A"], entry["G"]))
-            b.a.value = a if self.distributor.keeps(b, "A") else None
-            b.g.value = g if self.distributor.keeps(b, "G") else None
-            if b.correction is not None:
-                kept = self.distributor.keeps(b, "S") and entry["S"] is not None
-                b.correction.value = entry["S"].to(device, factor_dtype) if kept else None
+            for key, stat in b.statistics().items():
+                kept = self.distributor.keeps(b, key) and entry[key] is not None
+                stat.value = entry[key].to(device, factor_dtype) if kept else None
             held = self.distributor.holds_state(b) and entry["state"] is not None
             b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if held else None
         self.discard_step_statistics()
@@ -708,7 +717,7 @@ class KFACPreconditioner:
         self.state.scalars = Scalars(
             steps=state["steps"],
             counters=defaultdict(int, state["counters"]),
-            seen=frozenset(name for name, entry in state["layers"].items() if entry["A"] is not None),
+            seen=frozenset(b.name for b in self.blocks if state["layers"][b.name][b.sides[0]] is not None),
         )
         pending = state.get("pending_decompositions")
         if pending is not None:

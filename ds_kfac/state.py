@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .curvature import AdaptiveRefresh, Background, KFACBlock
+from .curvature import AdaptiveRefresh, Background, CurvatureBlock
 from .curvature.decomposition import State
 
 
@@ -29,7 +29,7 @@ class PendingDecompositions:
 
     started: int
     install_at: int
-    blocks: list[KFACBlock]
+    blocks: list[CurvatureBlock]
     job: Background
 
 
@@ -58,7 +58,7 @@ class Snapshot:
 class TrainingState:
     """The blocks' factors and decompositions, the refresh schedule and the :class:`Scalars`."""
 
-    def __init__(self, blocks: list[KFACBlock], refresh: Optional[AdaptiveRefresh]) -> None:
+    def __init__(self, blocks: list[CurvatureBlock], refresh: Optional[AdaptiveRefresh]) -> None:
         self.blocks = blocks
         self.refresh = refresh
         self.scalars = Scalars()

@@ -41,8 +41,9 @@ SCENARIOS = {
     "local": {"ds": STAGE3, "kfac": {**MEM_OPT, "factor_reduction": "local"}},
     "local_stage0": {"kfac": {**MEM_OPT, "factor_reduction": "local"}},
     "corrected": {"ds": STAGE3, "kfac": {**MEM_OPT, "eigenvalue_correction": True}},
+    "batchnorm": {"ds": STAGE3, "kfac": {**MEM_OPT, "batchnorm": "unit-wise"}, "model": "batchnorm"},
 }
-FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected")
+FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected", "batchnorm")
 RESUMED = {"allreduce": "resumed", "corrected": "resumed_corrected"}
 """Scenarios saved after step SAVE_AT, and the scenario resuming each."""
 
@@ -70,10 +71,11 @@ def test_zero3_matches_single_process(runs: dict, variant: str) -> None:
     single-process run on the global batch (fp32 to 1e-5; bf16 to its 8-bit mantissa), with factors reduced
     to every worker or to the decomposing rank only, eigen (with or without the outer product, adaptive
     refresh) or inverse; ranks agree. K-FAC ran once per optimizer step, not per micro-batch."""
-    expected, _ = reference(STEPS, **SCENARIOS[variant]["kfac"])
+    expected, _ = reference(STEPS, model=SCENARIOS[variant].get("model", "mlp"), **SCENARIOS[variant]["kfac"])
     results = runs[variant]
     assert_ranks_identical(results)
-    tolerance = BF16_TOL if variant == "bf16" else fp32_tolerance(SCENARIOS[variant]["kfac"])
+    scenario = SCENARIOS[variant]
+    tolerance = BF16_TOL if variant == "bf16" else fp32_tolerance(scenario["kfac"], scenario.get("model", "mlp"))
     for got, want in zip(results[0]["params"], expected):
         torch.testing.assert_close(got, want, **tolerance)
     for r in results:

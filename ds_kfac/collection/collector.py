@@ -7,11 +7,11 @@ gets a backward (a metric computed in training mode, a recomputation by
 non-reentrant activation checkpointing) contributes nothing, and ``A`` and
 ``G`` always count the same calls.
 
-With the eigenvalue correction, the forward hook of a layer that has an
-eigenbasis keeps the input instead (which autograd keeps for the weight
-gradient anyway), and the backward hook computes its rows once for ``A`` and
-for the per-example gradients of ``S``, which need each example's input and
-output-gradient rows together.
+What a forward call keeps and how its statistics are counted is the block's
+(:meth:`~ds_kfac.curvature.CurvatureBlock.forward_statistic`,
+:meth:`~ds_kfac.curvature.CurvatureBlock.backward_statistic`): for a Kronecker
+block the ``A`` statistic (or, with the eigenvalue correction, the input), for
+a unit-wise BatchNorm block the normalized input.
 
 With the sampled Fisher, ``G`` comes from an extra backward pass of a loss
 with sampled targets (:meth:`FactorCollector.sampled_backward`): the hooks
@@ -29,7 +29,6 @@ backward (:meth:`FactorCollector.unanswered`).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -37,7 +36,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from ..curvature import KFACBlock
+from ..curvature import CurvatureBlock
 from ..layers import LayerAdapter
 from ..placement import Distributor
 from ..timing import PhaseTimer
@@ -48,13 +47,6 @@ compile_reason = (
     "K-FAC's module hooks run eagerly (one graph break per registered layer), so torch.compile(fullgraph=True) "
     "cannot compile a model with K-FAC attached: compile it with fullgraph=False, after attaching K-FAC"
 )
-
-
-@dataclass(frozen=True)
-class _Input:
-    """A layer call's input, kept from the forward to the backward hook (eigenvalue correction)."""
-
-    x: torch.Tensor
 
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
@@ -91,7 +83,7 @@ class FactorCollector:
 
     def __init__(
         self,
-        blocks: list[KFACBlock],
+        blocks: list[CurvatureBlock],
         distributor: Distributor,
         timer: PhaseTimer,
         *,
@@ -160,7 +152,7 @@ class FactorCollector:
             handle.remove()
         self._handles = []
 
-    def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
+    def _forward_hook(self, block: CurvatureBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
         output = block.adapter.output_of(output)
         if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
@@ -171,10 +163,7 @@ class FactorCollector:
             return
         with self.timer.phase("hooks"):
             x = inputs[0]
-            if block.correction is not None and block.state is not None:
-                pending: Union[torch.Tensor, _Input] = _Input(x.detach())
-            else:
-                pending = block.a.statistic(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
+            pending = block.forward_statistic(x)
             if not _in_backward():  # a recomputation stands in for a forward already counted
                 self._forwards[block.name] += 1
             hook = partial(self._output_grad_hook, block, block.adapter.batch_size(x), pending)
@@ -256,11 +245,8 @@ class FactorCollector:
     def _mark_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True
 
-    def _output_grad_hook(
-        self, block: KFACBlock, batch_size: int, pending: Union[torch.Tensor, _Input], grad: torch.Tensor
-    ) -> None:
-        """Count the call's ``A`` (``pending``: its statistic, or the input to compute it from) and its ``G``
-        (and ``S``) from ``grad``, the gradient of the call's output."""
+    def _output_grad_hook(self, block: CurvatureBlock, batch_size: int, pending: Any, grad: torch.Tensor) -> None:
+        """Count the call's statistics: ``pending`` from its forward, and ``grad``, the gradient of its output."""
         with self.timer.phase("hooks"):
             self.backward_seen = True
             if self.sampled and not self.sampling:
@@ -278,22 +264,12 @@ class FactorCollector:
                 )
             # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
             scale = self.loss_scale() if self.loss_scale is not None else 1.0
-            c = batch_size * self.accumulation_steps / scale
-            g_rows = block.adapter.output_grad_rows(grad)
-            if isinstance(pending, _Input):
-                adapter = block.adapter
-                a_rows = adapter.input_rows(pending.x)
-                block.a.add(block.a.statistic(a_rows, bias_column=adapter.has_bias))
-                basis = block.method.basis(block.state)
-                block.correction.accumulate(a_rows, g_rows, batch_size, c, basis, adapter.has_bias)
-            else:
-                block.a.add(pending)
-            block.g.accumulate(g_rows, c)
+            block.backward_statistic(pending, grad, batch_size, batch_size * self.accumulation_steps / scale)
             self._backwards[block.name] += 1
             if not self.sampled:
                 self._hand_over_when_complete(block)
 
-    def _hand_over_when_complete(self, block: KFACBlock) -> None:
+    def _hand_over_when_complete(self, block: CurvatureBlock) -> None:
         """Hand the layer's statistics to the reduction if they are complete: in the last micro-batch, once every
         counted forward call of the step has had its backward (a layer called several times per micro-batch waits
         for its last call; under reentrant checkpointing every forward runs inside the backward and none is

@@ -120,6 +120,7 @@ class KFACConfig(BaseModel):
     eigenvalue_outer_product: bool = False
     eigenvalue_correction: bool = False
     fisher: Literal["empirical", "sampled"] = "empirical"
+    batchnorm: Literal["none", "unit-wise"] = "none"
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"

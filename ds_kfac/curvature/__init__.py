@@ -1,7 +1,7 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
 from .background import Background
-from .block import KFACBlock, StackedStates, blocks_device
+from .block import CurvatureBlock, KFACBlock, StackedStates, blocks_device
 from .correction import EigenvalueCorrection
 from .decomposition import (
     METHODS,
@@ -16,11 +16,13 @@ from .decomposition import (
 from .factors import KroneckerFactor, RunningAverage
 from .fisher import FisherLoss, sampled_loss
 from .refresh import AdaptiveRefresh
+from .unitwise import UnitFisher, UnitWiseBlock, UnitWiseInverse
 
 __all__ = [
     "METHODS",
     "AdaptiveRefresh",
     "Background",
+    "CurvatureBlock",
     "Decomposition",
     "EigenDecomposition",
     "EigenvalueCorrection",
@@ -31,6 +33,9 @@ __all__ = [
     "KroneckerFactor",
     "RunningAverage",
     "StackedStates",
+    "UnitFisher",
+    "UnitWiseBlock",
+    "UnitWiseInverse",
     "all_finite",
     "blocks_device",
     "curvature_floor",

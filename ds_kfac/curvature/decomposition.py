@@ -95,7 +95,7 @@ def _in_eigenbasis(
     return qg @ rescale(rotated) @ qa.mT
 
 
-def _floored(damping: torch.Tensor) -> torch.Tensor:
+def floor_damping(damping: torch.Tensor) -> torch.Tensor:
     """A relative damping kept a normal number (it underflows when a tiny ``damping`` multiplies a small curvature),
     so that no ``0 / 0`` arises; blocks without usable curvature are passed through anyway (:meth:`uncurved`)."""
     return damping.clamp(min=torch.finfo(damping.dtype).tiny)
@@ -151,7 +151,7 @@ class Decomposition(ABC):
         shaped to broadcast over each layer's ``d_G x d_A`` matrix."""
         if not self.relative_damping:
             return damping
-        return _floored(va.mean(-1) * vg.mean(-1) * damping)[..., None, None]
+        return floor_damping(va.mean(-1) * vg.mean(-1) * damping)[..., None, None]
 
     @abstractmethod
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
@@ -233,7 +233,7 @@ class EigenDecomposition(Decomposition):
         ``damping * mean(S)`` per layer (``damping * mean(v_A) * mean(v_G)`` for ``S = v_G v_A^T``)."""
         if not self.relative_damping:
             return damping
-        return _floored(scaling.mean(dim=(-2, -1)) * damping)[..., None, None]
+        return floor_damping(scaling.mean(dim=(-2, -1)) * damping)[..., None, None]
 
 
 class EigenOuterDecomposition(EigenDecomposition):
@@ -286,7 +286,7 @@ class InverseDecomposition(Decomposition):
         uncurved = None
         if self.relative_damping:
             # pi * sqrt(damping * ta * tg) and sqrt(damping * ta * tg) / pi.
-            damp_a, damp_g = _floored(root * ta), _floored(root * tg)
+            damp_a, damp_g = floor_damping(root * ta), floor_damping(root * tg)
             uncurved = _below_floor(ta, tg)
         else:
             # pi balances the damping between the factors; 1 when a trace is not positive.

@@ -20,6 +20,7 @@ when the factors are reduced to one rank) to the gradient workers, who keep it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -38,12 +39,12 @@ from ..comm import (
     unpack_symmetric,
 )
 from ..config import KFACConfig, KFACConfigError
-from ..curvature import Decomposition, KFACBlock, KroneckerFactor, RunningAverage, blocks_device
+from ..curvature import CurvatureBlock, KroneckerFactor, RunningAverage, blocks_device
 from ..curvature.decomposition import Shape, State
 from ..curvature.factors import finite_flags
-from .plan import LayerShape, PlacementPlan
+from .plan import PlacementPlan
 
-Key = tuple[str, str]  # (layer name, "A" or "G")
+Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
 
 SAVER = 0
 """The data-parallel rank that :meth:`Distributor.gather_state` gathers to: DeepSpeed saves from data-parallel rank 0."""
@@ -54,21 +55,19 @@ class Distributor:
 
     def __init__(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         config: KFACConfig,
-        method: Decomposition,
         group: Optional[dist.ProcessGroup],
         bucket_bytes: int,
         holders: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         self.config = config
-        self.method = method
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.world = data_parallel_world(group)
-        shapes = [LayerShape(b.name, b.adapter.a_dim, b.adapter.g_dim) for b in blocks]
-        colocate = method.colocated or config.factor_reduction == "local"
-        self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
+        # Blocks are their own placement shapes (a name and each side's cost); blocks with one side are colocated.
+        colocate = config.factor_reduction == "local" or any(b.colocated for b in blocks if len(b.sides) > 1)
+        self.plan = PlacementPlan(blocks, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
         reduces = self.world > 1 and config.factor_reduction != "local"
         overlap = reduces and config.overlap_factor_comm
         self.bases_everywhere = config.eigenvalue_correction and reduces and not self.plan.replicated
@@ -98,45 +97,46 @@ class Distributor:
             )
 
     # ----------------------------------------------------------------- roles
-    def collects(self, block: KFACBlock) -> bool:
+    def collects(self, block: CurvatureBlock) -> bool:
         """Whether this rank's hooks compute the layer's factors (``local``: its owner only)."""
         return self.config.factor_reduction != "local" or self.rank == self.plan.layers[block.name].a_worker
 
-    def is_grad_worker(self, block: KFACBlock) -> bool:
+    def is_grad_worker(self, block: CurvatureBlock) -> bool:
         return self.plan.is_grad_worker(block.name, self.rank)
 
-    def grad_workers(self, block: KFACBlock) -> tuple[int, ...]:
+    def grad_workers(self, block: CurvatureBlock) -> tuple[int, ...]:
         """The data-parallel ranks that precondition the layer."""
         return self.plan.layers[block.name].grad_workers
 
-    def state_holders(self, block: KFACBlock) -> tuple[int, ...]:
+    def state_holders(self, block: CurvatureBlock) -> tuple[int, ...]:
         """The data-parallel ranks that hold the layer's decomposition: its gradient workers, or every rank
         (:attr:`bases_everywhere`)."""
         return tuple(range(self.world)) if self.bases_everywhere else self.grad_workers(block)
 
-    def holds_state(self, block: KFACBlock) -> bool:
+    def holds_state(self, block: CurvatureBlock) -> bool:
         return self.rank in self.state_holders(block)
 
     def worker(self, name: str, side: str) -> int:
-        """The rank that decomposes factor ``side`` ("A" or "G") of layer ``name``."""
+        """The rank that decomposes statistic ``side`` of layer ``name``: the placement's ``a_worker`` for the
+        block's first side, its ``g_worker`` for a second."""
         placement = self.plan.layers[name]
-        return placement.a_worker if side == "A" else placement.g_worker
+        return placement.a_worker if side == self._blocks[name].sides[0] else placement.g_worker
 
     def holds(self, name: str, side: str) -> bool:
         """Whether this rank decomposes factor ``side`` of layer ``name`` (and so tracks its refresh)."""
         return self.rank == self.worker(name, side)
 
-    def keeps(self, block: KFACBlock, side: str) -> bool:
+    def keeps(self, block: CurvatureBlock, side: str) -> bool:
         """Whether this rank holds the running statistic ``side`` ("A", "G", "S") of the layer."""
         return self.rank in self._keepers(block.name, side)
 
     def _keepers(self, name: str, side: str) -> tuple[int, ...]:
         """The ranks holding the running statistic ``side`` of layer ``name`` (``S``: the gradient workers)."""
-        if self.config.factor_reduction == "allreduce" or side == "S":
+        if self.config.factor_reduction == "allreduce" or side not in self._blocks[name].sides:
             return self.plan.layers[name].grad_workers
         return (self.worker(name, side),)
 
-    def counts_in_kl_sum(self, block: KFACBlock) -> bool:
+    def counts_in_kl_sum(self, block: CurvatureBlock) -> bool:
         """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
         return self.plan.replicated or self.rank == self.plan.layers[block.name].a_worker
 
@@ -148,7 +148,7 @@ class Distributor:
         dsts = None
         if self.config.factor_reduction == "reduce":
             dsts = [
-                [self._worker_global(b, side) if side != "S" else None for side in b.statistics()]
+                [self._worker_global(b, side) if side in b.sides else None for side in b.statistics()]
                 for b in self._unit_blocks
             ]
         group = self.groups.overlap if overlap else self.group
@@ -160,22 +160,23 @@ class Distributor:
         return self.config.symmetric_comm and isinstance(stat, KroneckerFactor)
 
     def _wire_numel(self, stat: RunningAverage) -> int:
-        rows, cols = stat.shape
-        return rows * (rows + 1) // 2 if self._symmetric(stat) else rows * cols
+        rows = stat.shape[0]
+        return rows * (rows + 1) // 2 if self._symmetric(stat) else math.prod(stat.shape)
 
-    def statistics_ready(self, block: KFACBlock) -> None:
+    def statistics_ready(self, block: CurvatureBlock) -> None:
         """The layer's factors for this step are final (its last backward of the step ran):
         hand them to the reduction, which starts as soon as their bucket and those before it are full."""
         if self.factor_buckets is not None:
             self.factor_buckets.put(self._unit[block.name], self._step_wire(self._unit[block.name]))
 
-    def handed_over(self, block: KFACBlock) -> bool:
+    def handed_over(self, block: CurvatureBlock) -> bool:
         """Whether the layer's factors for this step have already been handed to the reduction."""
         return self.factor_buckets is not None and self.factor_buckets.is_filled(self._unit[block.name])
 
-    def has_statistics(self, block: KFACBlock) -> bool:
+    def has_statistics(self, block: CurvatureBlock) -> bool:
         """Whether this rank gathered factors for the layer this step (held, or handed over)."""
-        return (block.a.pending > 0 and block.g.pending > 0) or self.handed_over(block)
+        stats = block.statistics()
+        return all(stats[side].pending > 0 for side in block.sides) or self.handed_over(block)
 
     def discard_statistics(self) -> None:
         """Drop this step's factors, including any already handed to the reduction."""
@@ -200,7 +201,9 @@ class Distributor:
                 out.append(self._to_wire(value, stat))
         return out
 
-    def reduce_factors(self, blocks: Sequence[KFACBlock]) -> list[tuple[KFACBlock, str, Optional[torch.Tensor]]]:
+    def reduce_factors(
+        self, blocks: Sequence[CurvatureBlock]
+    ) -> list[tuple[CurvatureBlock, str, Optional[torch.Tensor]]]:
         """This step's statistics of ``blocks``, averaged over ranks where they are kept: per layer and
         side ("A", "G", "S") the mean, or ``None`` where this rank does not keep it. Values may be
         views into the reduction's buffers (fold them in before the next step's reduction).
@@ -220,7 +223,7 @@ class Distributor:
         return [(b, side, value) for b, side, value in reduced if side != "S" or b.state is not None]
 
     @staticmethod
-    def fold_factors(reduced: Sequence[tuple[KFACBlock, str, Optional[torch.Tensor]]], decay: float) -> list[str]:
+    def fold_factors(reduced: Sequence[tuple[CurvatureBlock, str, Optional[torch.Tensor]]], decay: float) -> list[str]:
         """Fold reduced statistics into the running averages (dropping those this rank does not keep).
         A statistic whose result is not finite in its storage dtype keeps its previous value. Returns
         those statistics, as ``"layer/A"``, ``"layer/G"`` or ``"layer/S"`` (one host sync for all)."""
@@ -237,7 +240,7 @@ class Distributor:
                 factor.value = value
         return [name for (name, _, _), good in zip(blended, ok) if not good]
 
-    def _worker_global(self, block: KFACBlock, side: str) -> int:
+    def _worker_global(self, block: CurvatureBlock, side: str) -> int:
         return self.groups.to_global(self.worker(block.name, side))
 
     def _to_wire(self, value: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
@@ -253,22 +256,22 @@ class Distributor:
 
     # --------------------------------------------------------- decompositions
     def decompose(
-        self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
-    ) -> tuple[list[KFACBlock], list[State]]:
+        self, blocks: Sequence[CurvatureBlock], damping: float, due: Optional[set[Key]] = None
+    ) -> tuple[list[CurvatureBlock], list[State]]:
         """Decompose the factors assigned to this rank and share them within each layer's column:
         :meth:`compute_sides` then :meth:`share_sides`."""
         return self.share_sides(blocks, *self.compute_sides(blocks, damping, due))
 
     def compute_sides(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         damping: float,
         due: Optional[set[Key]] = None,
-        factors: Optional[dict[str, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = None,
+        factors: Optional[dict[str, dict[str, Optional[torch.Tensor]]]] = None,
     ) -> tuple[dict[Key, State], dict[str, set[str]]]:
         """This rank's decompositions: the sides of ``blocks`` assigned to it, and which sides each
         layer refreshes. Local work only (no communication), so it can run in the background, decomposing
-        ``factors`` (per layer ``(A, G)``, taken when it started; default: the running factors now).
+        ``factors`` (per layer, each side's statistic, taken when it started; default: the running ones now).
 
         ``due`` limits the work to those (layer, side) pairs (adaptive refresh);
         a layer without a decomposition yet, or whose method decomposes both sides
@@ -279,26 +282,20 @@ class Distributor:
         needed = {b.name: self._sides_to_refresh(b, due) for b in blocks}
         sides: dict[Key, State] = {}
         for b in blocks:
-            placement = self.plan.layers[b.name]
-            do_a = "A" in needed[b.name] and self.rank == placement.a_worker
-            do_g = "G" in needed[b.name] and self.rank == placement.g_worker
-            if not (do_a or do_g):
+            mine = [side for side in b.sides if side in needed[b.name] and self.rank == self.worker(b.name, side)]
+            if not mine:
                 continue
-            a, g = factors[b.name] if factors is not None else (b.a.value, b.g.value)
-            a, g = (a if do_a else None), (g if do_g else None)
-            if (do_a and a is None) or (do_g and g is None):
-                a_side = g_side = None
-            else:
-                a_side, g_side = self.method.compute(a, g, damping, dtype)
-            if do_a:
-                sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b, "A")
-            if do_g:
-                sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b, "G")
+            held = factors[b.name] if factors is not None else {side: b.statistics()[side].value for side in b.sides}
+            values = {side: held[side] for side in mine}
+            computed = {} if any(v is None for v in values.values()) else b.compute_sides(values, damping, dtype)
+            for side in mine:
+                state = computed.get(side)
+                sides[(b.name, side)] = state if state is not None else self._nan_side(b, side)
         return sides, needed
 
     def share_sides(
-        self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
-    ) -> tuple[list[KFACBlock], list[State]]:
+        self, blocks: Sequence[CurvatureBlock], sides: dict[Key, State], needed: dict[str, set[str]]
+    ) -> tuple[list[CurvatureBlock], list[State]]:
         """Share :meth:`compute_sides`'s results with each layer's :meth:`state_holders`; return the candidate
         states of the layers this rank holds, the sides not refreshed taken from
         the current state (the caller adopts them after a finiteness check)."""
@@ -308,20 +305,22 @@ class Distributor:
         for b in blocks:
             if not (needed[b.name] and self.holds_state(b)):
                 continue
-            split = len(self._side_shapes(b, "A"))
-            old_a, old_g = (b.state[:split], b.state[split:]) if b.state is not None else (None, None)
+            old, at = {}, 0
+            for side, shapes in b.side_shapes().items():
+                old[side] = b.state[at : at + len(shapes)] if b.state is not None else None
+                at += len(shapes)
             chosen.append(b)
-            states.append(sides.get((b.name, "A"), old_a) + sides.get((b.name, "G"), old_g))
+            states.append(sum((sides.get((b.name, side), old[side]) for side in b.sides), ()))
         return chosen, states
 
-    def _sides_to_refresh(self, block: KFACBlock, due: Optional[set[Key]]) -> set[str]:
+    def _sides_to_refresh(self, block: CurvatureBlock, due: Optional[set[Key]]) -> set[str]:
         """Which sides of a layer to decompose now. ``block.state is None`` is the same on all
         of the layer's state holders (they adopt identical candidates), so they agree."""
         if due is None:
-            return {"A", "G"}
-        wanted = {side for side in ("A", "G") if (block.name, side) in due}
-        if wanted and (self.method.colocated or (self.holds_state(block) and block.state is None)):
-            return {"A", "G"}
+            return set(block.sides)
+        wanted = {side for side in block.sides if (block.name, side) in due}
+        if wanted and (block.colocated or (self.holds_state(block) and block.state is None)):
+            return set(block.sides)
         return wanted
 
     def agree_intervals(self, due: Sequence[Key], decide: Callable[[Key, torch.Tensor], int]) -> list[int]:
@@ -329,8 +328,7 @@ class Distributor:
         all-reduce gives every rank the same decisions."""
         mine = []
         for name, side in due:
-            block = self._blocks[name]
-            factor = block.a if side == "A" else block.g
+            factor = self._blocks[name].statistics()[side]
             mine.append(
                 decide((name, side), factor.value) if self.holds(name, side) and factor.value is not None else 0
             )
@@ -339,18 +337,13 @@ class Distributor:
             all_reduce_sum_([agreed], self.group, self.bucket_bytes)
         return [max(1, int(v)) for v in agreed.tolist()]
 
-    def _side_shapes(self, block: KFACBlock, side: str) -> list[Shape]:
-        """Shapes of the tensors of a layer's ``side`` ("A" or "G") under the compute method."""
-        a_shapes, g_shapes = self.method.side_shapes(block.adapter.a_dim, block.adapter.g_dim)
-        return a_shapes if side == "A" else g_shapes
-
-    def _nan_side(self, block: KFACBlock, side: str) -> State:
+    def _nan_side(self, block: CurvatureBlock, side: str) -> State:
         device = block.adapter.module.weight.device
         dtype = self.config.inv_torch_dtype
-        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in self._side_shapes(block, side))
+        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in block.side_shapes()[side])
 
     def _share_decompositions(
-        self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
+        self, blocks: Sequence[CurvatureBlock], sides: dict[Key, State], needed: dict[str, set[str]]
     ) -> None:
         """Broadcast each side from its decomposing rank to the layer's other state holders."""
         tensors, srcs, groups = [], [], []
@@ -358,15 +351,14 @@ class Distributor:
             workers = self.state_holders(b)
             if self.rank not in workers or len(workers) == 1:
                 continue
-            for side in ("A", "G"):
+            for side in b.sides:
                 if side not in needed[b.name]:
                     continue
                 key = (b.name, side)
                 if key not in sides:
                     device = b.adapter.module.weight.device
                     sides[key] = tuple(
-                        torch.empty(s, dtype=self.config.inv_torch_dtype, device=device)
-                        for s in self._side_shapes(b, side)
+                        torch.empty(s, dtype=self.config.inv_torch_dtype, device=device) for s in b.side_shapes()[side]
                     )
                 tensors.extend(sides[key])
                 srcs.extend([self._worker_global(b, side)] * len(sides[key]))
@@ -375,7 +367,7 @@ class Distributor:
 
     # --------------------------------------------------- preconditioned grads
     def share_preconditioned(
-        self, blocks: Sequence[KFACBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
+        self, blocks: Sequence[CurvatureBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Give every rank every layer's result when every rank holds every gradient: gradient workers
         broadcast theirs along rows (in the gradient's dtype). Nothing moves when every rank is a
@@ -424,18 +416,16 @@ class Distributor:
         """Layer ``name``'s saved entries ``keys``, each with the rank it is taken from: the saver
         where it holds the entry, else the plan's designated rank."""
         p, block = self.plan.layers[name], self._blocks[name]
-        a, g = block.adapter.a_dim, block.adapter.g_dim
         factor, inv = self.config.factor_torch_dtype, self.config.inv_torch_dtype
-        a_side, g_side = self.method.side_shapes(a, g)
         # key: (ranks holding it, designated rank, its tensors' shapes, their dtype)
         where = {
-            "A": (self._keepers(name, "A"), p.a_worker, [(a, a)], factor),
-            "G": (self._keepers(name, "G"), p.g_worker, [(g, g)], factor),
-            "S": (self._keepers(name, "S"), p.a_worker, [(g, a)], factor),
-            "state": (self.state_holders(block), p.a_worker, a_side + g_side, inv),
-            "A_refs": ((p.a_worker,), p.a_worker, [(a, a)] * 2, factor),
-            "G_refs": ((p.g_worker,), p.g_worker, [(g, g)] * 2, factor),
+            "state": (self.state_holders(block), p.a_worker, [s for v in block.side_shapes().values() for s in v], inv)
         }
+        for key, stat in block.statistics().items():
+            designated = self.worker(name, key) if key in block.sides else p.a_worker
+            where[key] = (self._keepers(name, key), designated, [stat.shape], factor)
+            if key in block.sides:  # adaptive refresh's references, on the decomposing rank
+                where[f"{key}_refs"] = ((designated,), designated, [stat.shape] * 2, factor)
         entries = []
         for key in keys:
             holders, designated, shapes, dtype = where[key]
@@ -445,7 +435,8 @@ class Distributor:
 
 @dataclass(frozen=True)
 class _StateEntry:
-    """One entry of a layer's saved state (``key``: ``A``, ``G``, ``S``, ``state``, ``A_refs`` or ``G_refs``):
+    """One entry of a layer's saved state (``key``: a statistic's name (``A``, ``G``, ``S``, ``F``), ``state``, or a
+    side's adaptive-refresh references ``<side>_refs``):
     the rank it is taken from, and the shapes and dtype of its tensors."""
 
     name: str
@@ -462,11 +453,11 @@ class _StateEntry:
 
     def value(self, tensors: list[Optional[torch.Tensor]]) -> Any:
         """The inverse of :meth:`tensors`: a factor, a decomposition (a list, or ``None``), or the references."""
-        if self.key in ("A", "G", "S"):
-            return tensors[0]
         if self.key == "state":
             return None if tensors[0] is None else tensors
-        return tensors
+        if self.key.endswith("_refs"):
+            return tensors
+        return tensors[0]
 
 
 def _saved(t: torch.Tensor) -> torch.Tensor:

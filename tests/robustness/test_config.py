@@ -150,6 +150,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "eigenvalue_outer_product": ["yes", 1],
     "eigenvalue_correction": ["yes", 1, None],
     "fisher": [True, None, "true_fisher", 1],
+    "batchnorm": [True, None, "unitwise", 1],
     "grad_worker_fraction": [True, "0.5", None],
     "factor_reduction": [None, 0],
     "assignment": [1, None],
@@ -177,6 +178,7 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "factor_micro_batches": [(4, 4), (4.0, 4), (None, None)],
     "eigenvalue_correction": [(True, True), (False, False)],
     "fisher": [("sampled", "sampled"), ("empirical", "empirical")],
+    "batchnorm": [("unit-wise", "unit-wise"), ("none", "none")],
 }
 
 

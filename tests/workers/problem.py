@@ -40,7 +40,13 @@ class SharedLayer(nn.Module):
         return self.last(h)
 
 
-MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer}
+def make_batchnorm_model() -> nn.Module:
+    """:func:`make_model` with a BatchNorm1d after its first layer (unit-wise BatchNorm)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, OUT))
+
+
+MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer, "batchnorm": make_batchnorm_model}
 
 
 def param_groups(model: nn.Module) -> list[dict]:
