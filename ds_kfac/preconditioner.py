@@ -117,7 +117,8 @@ def _uncurved(block: CurvatureBlock, state: Optional[tuple], no: torch.Tensor) -
 
 
 class KFACPreconditioner:
-    """K-FAC gradient preconditioning for a model's ``nn.Linear`` and ``nn.Conv2d`` layers.
+    """K-FAC gradient preconditioning for a model's ``nn.Linear`` and ``nn.Conv2d`` layers (and, with ``batchnorm:
+    "unit-wise"``, the unit-wise natural gradient of its BatchNorm layers).
 
     Standalone use (plain PyTorch or DistributedDataParallel)::
 
