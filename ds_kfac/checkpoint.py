@@ -25,7 +25,15 @@ from .curvature.factors import finite_flags
 
 STATE_VERSION = 1
 
-METHOD_KEYS = ("compute_method", "eigenvalue_outer_product", "relative_damping", "conv_factors")
+METHOD_KEYS = (
+    "compute_method",
+    "eigenvalue_outer_product",
+    "eigenvalue_correction",
+    "relative_damping",
+    "conv_factors",
+    "fisher",
+    "batchnorm",
+)
 """Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
 they match."""
 
@@ -36,10 +44,15 @@ REQUIRED_KEYS = ("version", "steps", "counters", "layers")
 
 
 class LayerLayout(NamedTuple):
-    """A layer's factor sizes and the shapes of its decomposition's tensors (``A`` side, then ``G`` side)."""
+    """A layer's sizes (its gradient matrix is ``g_dim x a_dim``), the shape of each running statistic, the
+    statistics decomposed on their own ranks (its sides), and its method and the shapes of its decomposition's
+    tensors (side after side)."""
 
     a_dim: int
     g_dim: int
+    statistics: dict[str, Shape]
+    sides: tuple[str, ...]
+    method: str
     state_shapes: list[Shape]
 
 
@@ -49,11 +62,9 @@ class StateLayout:
 
     method_keys: dict[str, Any]
     """This run's value of each of :data:`METHOD_KEYS`."""
-    method: str
-    """The decomposition's name (for messages)."""
     layers: dict[str, LayerLayout]
     adaptive: bool
-    """Whether decompositions refresh adaptively (the state then holds the schedule and references)."""
+    """Whether decompositions refresh adaptively (the state then holds the schedule and each side's references)."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +152,7 @@ def _refresh_problems(refresh: Any, layout: StateLayout) -> list[str]:
     """The adaptive-refresh schedule: ``[interval, previous_interval, next_step, refreshes]`` per factor."""
     if not isinstance(refresh, dict):
         return [f"'refresh' must be a dict of factor to schedule, got {_describe(refresh)}"]
-    expected = {f"{name}.{side}" for name in layout.layers for side in ("A", "G")}
+    expected = {f"{name}.{side}" for name, layer in layout.layers.items() for side in layer.sides}
     problems = []
     if set(refresh) != expected:
         problems.append(
@@ -183,7 +194,8 @@ def _layer_problems(
     where = f"layer {name!r}"
     if not isinstance(entry, dict):
         return [f"{where} must be a dict, got {_describe(entry)}"]
-    keys = ("shape", "A", "G", "state") + (("A_refs", "G_refs") if layout.adaptive else ())
+    refs = tuple(f"{side}_refs" for side in expected.sides) if layout.adaptive else ()
+    keys = ("shape", *expected.statistics, "state", *refs)
     problems = _key_problems(where, entry, keys, keys)
     if problems:
         return problems
@@ -193,18 +205,17 @@ def _layer_problems(
         return [f"{where}: checkpoint factors are (A, G) = {_shape_of(shape)}, this model has {(a, g)}"]
     problems = [
         problem
-        for key, dim in (("A", a), ("G", g))
-        for problem in _tensor_problems(f"{where}: {key}", entry[key], (dim, dim), tensors)
+        for key, shape in expected.statistics.items()
+        for problem in _tensor_problems(f"{where}: {key}", entry[key], shape, tensors)
     ]
-    problems += _decomposition_problems(where, entry["state"], expected.state_shapes, layout.method, tensors)
-    if layout.adaptive:
-        for key, dim in (("A_refs", a), ("G_refs", g)):
-            refs = entry[key]
-            if not (isinstance(refs, (list, tuple)) and len(refs) == 2):
-                problems.append(f"{where}: {key} must be [last, before_last] (tensors or None), got {_describe(refs)}")
-                continue
-            for i, ref in enumerate(refs):
-                problems += _tensor_problems(f"{where}: {key}[{i}]", ref, (dim, dim), tensors)
+    problems += _decomposition_problems(where, entry["state"], expected.state_shapes, expected.method, tensors)
+    for side, key in zip(expected.sides, refs):
+        pair = entry[key]
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            problems.append(f"{where}: {key} must be [last, before_last] (tensors or None), got {_describe(pair)}")
+            continue
+        for i, ref in enumerate(pair):
+            problems += _tensor_problems(f"{where}: {key}[{i}]", ref, expected.statistics[side], tensors)
     return problems
 
 

@@ -32,7 +32,8 @@ class Health:
             warnings.warn(message(new), RuntimeWarning, stacklevel=5)
 
     def nonfinite_factors(self, factors: list[str]) -> None:
-        """Factor updates (``layer/A``, ``layer/G``) whose running average would not be finite."""
+        """Factor updates (``layer/A``, ``layer/G``; ``layer/S``, an eigenvalue correction) whose running average would
+        not be finite."""
         cause = ""
         if self._factor_dtype == "float16":
             cause = (

@@ -36,15 +36,20 @@ from .config import KFACConfig, KFACConfigError, resolve
 from .curvature import (
     AdaptiveRefresh,
     Background,
+    CurvatureBlock,
+    FisherLoss,
     KFACBlock,
     StackedStates,
+    UnitWiseBlock,
+    UnitWiseInverse,
     all_finite,
     blocks_device,
     curvature_floor,
     method_for,
+    sampled_loss,
 )
 from .health import Health
-from .layers import LayerAdapter, SkippedLayer, find_layers
+from .layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout, TensorParallelGradients, WholeGradients, split_tensor_parallel
 from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
@@ -104,7 +109,7 @@ def _refuse_layers_differing_between_ranks(
         )
 
 
-def _uncurved(block: KFACBlock, state: Optional[tuple], no: torch.Tensor) -> torch.Tensor:
+def _uncurved(block: CurvatureBlock, state: Optional[tuple], no: torch.Tensor) -> torch.Tensor:
     """Whether ``state``, a candidate decomposition of ``block``, has no usable curvature (a device bool; ``no``
     where its method cannot tell, or there is no state)."""
     flag = None if state is None else block.method.uncurved(state)
@@ -112,7 +117,8 @@ def _uncurved(block: KFACBlock, state: Optional[tuple], no: torch.Tensor) -> tor
 
 
 class KFACPreconditioner:
-    """K-FAC gradient preconditioning for a model's ``nn.Linear`` and ``nn.Conv2d`` layers.
+    """K-FAC gradient preconditioning for a model's ``nn.Linear`` and ``nn.Conv2d`` layers (and, with ``batchnorm:
+    "unit-wise"``, the unit-wise natural gradient of its BatchNorm layers).
 
     Standalone use (plain PyTorch or DistributedDataParallel)::
 
@@ -206,6 +212,7 @@ class KFACPreconditioner:
             conv_factors=self.config.conv_factors,
             warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
             tensor_parallel_factors=self.config.tensor_parallel_factors,
+            batchnorm=self.config.batchnorm == "unit-wise",
         )
         _refuse_layers_differing_between_ranks(layers, self.skipped_layers, process_group, model)
         relays = []
@@ -216,17 +223,13 @@ class KFACPreconditioner:
             layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
             if model_parallel_group is None:
                 self.model_parallel_group = model_parallel_group = tensor_parallel.group
-        method = method_for(self.config)
-        self.blocks = [
-            KFACBlock(name, adapter, method, self.config.factor_torch_dtype, self.config.inv_torch_dtype)
-            for name, adapter in layers
-        ]
+        self.blocks = [self._block(name, adapter) for name, adapter in layers]
         self.layout = layout or WholeGradients()
         """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
         holders = self.layout.block_holders(self.blocks)
-        self.distributor = Distributor(self.blocks, self.config, method, process_group, bucket_bytes, holders)
+        self.distributor = Distributor(self.blocks, self.config, process_group, bucket_bytes, holders)
         self._by_name = {b.name: b for b in self.blocks}
-        factor_keys = [(b.name, side) for b in self.blocks for side in ("A", "G")]
+        factor_keys = [(b.name, side) for b in self.blocks for side in b.sides]
         adaptive = self.config.inv_update_steps == "adaptive"
         self.refresh = AdaptiveRefresh(factor_keys, self.config.adaptive_threshold) if adaptive else None
         self.state = TrainingState(self.blocks, self.refresh)
@@ -246,6 +249,21 @@ class KFACPreconditioner:
             relays=relays,
             factor_micro_batches=self.config.factor_micro_batches,
             micro_batch=micro_batch,
+            sampled=self.config.fisher == "sampled",
+        )
+
+    def _block(self, name: str, adapter: LayerAdapter) -> CurvatureBlock:
+        """The curvature block of a registered layer: unit-wise for BatchNorm, Kronecker-factored otherwise."""
+        factor_dtype, inv_dtype = self.config.factor_torch_dtype, self.config.inv_torch_dtype
+        if isinstance(adapter, BatchNormAdapter):
+            return UnitWiseBlock(name, adapter, UnitWiseInverse(self.config.relative_damping), factor_dtype, inv_dtype)
+        return KFACBlock(
+            name,
+            adapter,
+            method_for(self.config),
+            factor_dtype,
+            inv_dtype,
+            eigenvalue_correction=self.config.eigenvalue_correction,
         )
 
     def _check_tensor_parallel(
@@ -265,6 +283,10 @@ class KFACPreconditioner:
             )
         if exact and self.config.factor_reduction == "local":
             problems.append('factor_reduction="local" with tensor_parallel_factors="exact"')
+        if self.config.eigenvalue_correction:
+            problems.append("eigenvalue_correction (per-example gradients of sharded layers are not gathered)")
+        if self.config.fisher == "sampled":
+            problems.append('fisher="sampled" (the sharded layers\' rows travel in every backward pass)')
         if problems:
             raise KFACConfigError("K-FAC with tensor-parallel layers does not support: " + "; ".join(problems))
 
@@ -294,6 +316,47 @@ class KFACPreconditioner:
         self.distributor.discard_statistics()
         self.collector.discard()
 
+    # ------------------------------------------------------------ sampled Fisher
+    def sample_fisher(
+        self,
+        output: torch.Tensor,
+        loss: FisherLoss = "cross_entropy",
+        labels: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        generator: Optional[torch.Generator] = None,
+    ) -> bool:
+        """With ``fisher: "sampled"``, take this micro-batch's factors from a loss whose targets are sampled from the
+        model's predictive distribution (SP-NGD's one-sample Fisher); call it after the forward pass, before the
+        training loss's backward (``engine.backward(loss)``), on every micro-batch.
+
+        On the micro-batches that gather factors it samples the targets (:func:`~ds_kfac.curvature.fisher.sampled_loss`:
+        ``output`` the model's logits for ``"cross_entropy"``, its prediction for ``"mse"``; ``labels`` leave out
+        the positions the training loss ignores) and back-propagates that loss to the registered layers' outputs
+        only, keeping the graph: every ``.grad`` stays what the training loss makes it. Elsewhere (other steps,
+        ``fisher: "empirical"``, evaluation) it does nothing. Returns whether it ran a backward pass.
+
+        ``generator``: the sampling's random numbers; by default a generator seeded from the step, the number of
+        sampled passes in it and the global rank, so a run (and one resumed from a checkpoint) samples the same
+        targets."""
+        if not self.collector.sampled or not self.collector.collecting:
+            return False
+
+        def scaled(detached: torch.Tensor) -> torch.Tensor:
+            """The sampled loss, scaled as the training loss (divided by the accumulation, times the loss scale),
+            which the hooks undo."""
+            scale = self.collector.loss_scale() if self.collector.loss_scale is not None else 1.0
+            sampler = generator if generator is not None else self._sampling_generator(output.device)
+            return sampled_loss(detached, loss, sampler, labels, ignore_index) * (scale / self.accumulation_steps)
+
+        return self.collector.sampled_backward(output, scaled)
+
+    def _sampling_generator(self, device: torch.device) -> torch.Generator:
+        """A generator seeded from the step, the sampled passes so far in it and the global rank: the same targets
+        in a run and in one resumed from a checkpoint, other targets on each rank and micro-batch."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        seed = (self.steps * 4099 + self.collector.sampled_passes) * 65537 + rank
+        return torch.Generator(device).manual_seed(seed)
+
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> None:
@@ -311,6 +374,13 @@ class KFACPreconditioner:
         skipped with a warning and counted as ``steps_without_backward``."""
         if not self.collector.backward_seen:
             return self._no_backward()
+        if self.collector.sampled and self.collector.collecting and not self.collector.sampled_passes:
+            raise RuntimeError(
+                f'K-FAC step {self.steps} updates factors with fisher="sampled", but no sampled backward pass reached '
+                f"a registered layer: call kfac.sample_fisher(logits, loss) after each forward pass, before the "
+                f"training loss's backward, in training mode (not with reentrant activation checkpointing, whose "
+                f"layer outputs it cannot reach)"
+            )
         self.update_curvature()
         s, layout, distributor = self.steps, self.layout, self.distributor
         blocks, grads, fragments = layout.gather(self.blocks, distributor.grad_workers)
@@ -383,12 +453,12 @@ class KFACPreconditioner:
     def update_curvature(self) -> None:
         """Steps 2 and 3 of the flow: fold in this step's factors, decompose when scheduled."""
         s, scalars = self.steps, self.state.scalars
+        if self.collector.collecting:  # before any new eigenbasis: the step's S was projected on the current one
+            self._update_factors(self.config.at("factor_decay", s))
         if scalars.pending is not None and s >= scalars.pending.install_at:
             with self.timer.phase("decompose"):
                 self._adopt(*self.distributor.share_sides(scalars.pending.blocks, *scalars.pending.job.result()))
             scalars.pending = None
-        if self.collector.collecting:
-            self._update_factors(self.config.at("factor_decay", s))
         damping = self.config.at("damping", s)
         if self.refresh is not None:
             due = [key for key in self.refresh.due(s) if key[0] in self.state.scalars.seen]
@@ -397,7 +467,7 @@ class KFACPreconditioner:
                     intervals = self.distributor.agree_intervals(due, self.refresh.decide)
                     self._update_decompositions(damping, set(due))
                     for (name, side), interval in zip(due, intervals):
-                        factor = self._by_name[name].a if side == "A" else self._by_name[name].g
+                        factor = self._by_name[name].statistics()[side]
                         held = self.distributor.holds(name, side)
                         self.refresh.refreshed((name, side), s, interval, factor.value if held else None)
         elif self._is_decomposition_step(s):
@@ -419,10 +489,14 @@ class KFACPreconditioner:
     def _run_in_background(self, started: int, install_at: int) -> None:
         seen = self._seen_blocks()
         damping = self.config.at("damping", started)
-        job = Background(partial(self.distributor.compute_sides, seen, damping), blocks_device(self.blocks))
+        # The factors as they are now: the next step folds new ones in (never in place) before installing.
+        factors = {b.name: {side: b.statistics()[side].value for side in b.sides} for b in seen}
+        job = Background(
+            partial(self.distributor.compute_sides, seen, damping, factors=factors), blocks_device(self.blocks)
+        )
         self.state.scalars.pending = PendingDecompositions(started, install_at, seen, job)
 
-    def _seen_blocks(self) -> list[KFACBlock]:
+    def _seen_blocks(self) -> list[CurvatureBlock]:
         """The blocks that have had factors (the same on every rank): those that are decomposed."""
         return [b for b in self.blocks if b.name in self.state.scalars.seen]
 
@@ -452,7 +526,7 @@ class KFACPreconditioner:
         if unanswered:
             self.health.unanswered_forwards(unanswered)
 
-    def _blocks_with_statistics(self) -> list[KFACBlock]:
+    def _blocks_with_statistics(self) -> list[CurvatureBlock]:
         """Blocks whose hooks fired this step, agreed on by all ranks; report (once) and
         reset those whose did not. In ``local`` mode only a layer's owner collects."""
         present = [self.distributor.has_statistics(b) for b in self.blocks]
@@ -469,8 +543,8 @@ class KFACPreconditioner:
         missing = [b.name for b, ok in zip(self.blocks, present) if not ok]
         for b, ok in zip(self.blocks, present):
             if not ok:
-                b.a.discard_step()
-                b.g.discard_step()
+                for stat in b.statistics().values():
+                    stat.discard_step()
         if missing:
             self.health.missing_layers(missing)
         ready = [b for b, ok in zip(self.blocks, present) if ok]
@@ -480,7 +554,7 @@ class KFACPreconditioner:
     def _update_decompositions(self, damping: float, due: Optional[set[tuple[str, str]]] = None) -> None:
         self._adopt(*self.distributor.decompose(self._seen_blocks(), damping, due))
 
-    def _adopt(self, chosen: list[KFACBlock], states: list[tuple]) -> None:
+    def _adopt(self, chosen: list[CurvatureBlock], states: list[tuple]) -> None:
         """Install the candidate decompositions that are finite; keep the previous ones of the others."""
         candidates = list(zip(chosen, states))
         if not candidates:
@@ -494,7 +568,7 @@ class KFACPreconditioner:
         failed, uncurved = [], []
         for (block, state), (good, flat) in zip(candidates, ok):
             if good:
-                block.state = state
+                block.install(state)
                 if flat:
                     uncurved.append(block.name)
             else:
@@ -525,13 +599,17 @@ class KFACPreconditioner:
         """Bytes held on this rank, by category: running factors, decompositions, the
         accumulators of the step in progress (independent of the number of micro-batches),
         the factor snapshots adaptive refresh compares against (on the decomposing rank), and
-        what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers)."""
+        what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers) and, with
+        ``eigenvalue_correction``, the running corrections ``S`` (on gradient workers; their step accumulators
+        count as accumulators)."""
         usage = {"factors": 0, "decompositions": 0, "accumulators": 0, "refresh_references": 0}
         usage["preconditioning_cache"] = self._stacks.cache_bytes()
+        if self.config.eigenvalue_correction:
+            usage["eigenvalue_corrections"] = 0
         for b in self.blocks:
-            for factor in (b.a, b.g):
-                running, accumulator = factor.nbytes()
-                usage["factors"] += running
+            for side, stat in b.statistics().items():
+                running, accumulator = stat.nbytes()
+                usage["eigenvalue_corrections" if side == "S" else "factors"] += running
                 usage["accumulators"] += accumulator
             usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
         if self.refresh is not None:
@@ -587,7 +665,7 @@ class KFACPreconditioner:
 
     def _local_state(self) -> dict[str, dict[str, Any]]:
         """This rank's view of every layer's state: references to what it holds, ``None`` elsewhere."""
-        state = {b.name: {"A": b.a.value, "G": b.g.value, "state": b.state} for b in self.blocks}
+        state = {b.name: {**{k: s.value for k, s in b.statistics().items()}, "state": b.state} for b in self.blocks}
         if self.refresh is not None:
             for (name, side), f in self.refresh.factors.items():
                 state[name][f"{side}_refs"] = [f.last, f.before_last]
@@ -600,13 +678,19 @@ class KFACPreconditioner:
 
     def _state_layout(self) -> StateLayout:
         """What a state must hold to load here."""
-        method, layers = self.distributor.method, {}
-        for b in self.blocks:
-            a_side, g_side = method.side_shapes(b.adapter.a_dim, b.adapter.g_dim)
-            layers[b.name] = LayerLayout(b.adapter.a_dim, b.adapter.g_dim, a_side + g_side)
+        layers = {
+            b.name: LayerLayout(
+                b.adapter.a_dim,
+                b.adapter.g_dim,
+                {key: stat.shape for key, stat in b.statistics().items()},
+                b.sides,
+                b.method.name,
+                [shape for shapes in b.side_shapes().values() for shape in shapes],
+            )
+            for b in self.blocks
+        }
         return StateLayout(
             method_keys={key: getattr(self.config, key) for key in METHOD_KEYS},
-            method=method.name,
             layers=layers,
             adaptive=self.refresh is not None,
         )
@@ -619,11 +703,11 @@ class KFACPreconditioner:
         for b in self.blocks:
             entry = state["layers"][b.name]
             device = b.adapter.module.weight.device
-            a, g = (None if t is None else t.to(device, factor_dtype) for t in (entry["A"], entry["G"]))
-            b.a.value = a if self.distributor.keeps(b, "A") else None
-            b.g.value = g if self.distributor.keeps(b, "G") else None
-            worker = self.distributor.is_grad_worker(b) and entry["state"] is not None
-            b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if worker else None
+            for key, stat in b.statistics().items():
+                kept = self.distributor.keeps(b, key) and entry[key] is not None
+                stat.value = entry[key].to(device, factor_dtype) if kept else None
+            held = self.distributor.holds_state(b) and entry["state"] is not None
+            b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if held else None
         self.discard_step_statistics()
         if self.refresh is not None:
             self.refresh.load_state_dict(state["refresh"])
@@ -634,7 +718,7 @@ class KFACPreconditioner:
         self.state.scalars = Scalars(
             steps=state["steps"],
             counters=defaultdict(int, state["counters"]),
-            seen=frozenset(name for name, entry in state["layers"].items() if entry["A"] is not None),
+            seen=frozenset(b.name for b in self.blocks if state["layers"][b.name][b.sides[0]] is not None),
         )
         pending = state.get("pending_decompositions")
         if pending is not None:

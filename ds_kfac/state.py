@@ -1,6 +1,6 @@
 """The state a K-FAC step changes, in one place: what snapshot/restore and checkpoints cover.
 
-A step changes the blocks' running factors and decompositions, the adaptive
+A step changes the blocks' running factors, eigenvalue corrections and decompositions, the adaptive
 refresh schedule, and the scalars held here (:class:`TrainingState`): the
 step count, the health counters, the last KL-clip factor, the background
 decompositions in flight and the layers that have had factors. Keeping them
@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .curvature import AdaptiveRefresh, Background, KFACBlock
+from .curvature import AdaptiveRefresh, Background, CurvatureBlock
 from .curvature.decomposition import State
 
 
@@ -29,7 +29,7 @@ class PendingDecompositions:
 
     started: int
     install_at: int
-    blocks: list[KFACBlock]
+    blocks: list[CurvatureBlock]
     job: Background
 
 
@@ -50,14 +50,15 @@ class Snapshot:
     """What :meth:`TrainingState.restore` needs to undo a step (references, not copies)."""
 
     scalars: Scalars
-    blocks: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[State]]]
+    blocks: list[tuple[dict[str, Optional[torch.Tensor]], Optional[State]]]
+    """Per block, its running statistics' values by name (``A``, ``G``, ``S``) and its decomposition."""
     refresh: Optional[dict]
 
 
 class TrainingState:
     """The blocks' factors and decompositions, the refresh schedule and the :class:`Scalars`."""
 
-    def __init__(self, blocks: list[KFACBlock], refresh: Optional[AdaptiveRefresh]) -> None:
+    def __init__(self, blocks: list[CurvatureBlock], refresh: Optional[AdaptiveRefresh]) -> None:
         self.blocks = blocks
         self.refresh = refresh
         self.scalars = Scalars()
@@ -66,13 +67,15 @@ class TrainingState:
         s = self.scalars
         return Snapshot(
             scalars=dataclasses.replace(s, counters=defaultdict(int, s.counters)),
-            blocks=[(b.a.value, b.g.value, b.state) for b in self.blocks],
+            blocks=[({k: stat.value for k, stat in b.statistics().items()}, b.state) for b in self.blocks],
             refresh=self.refresh.snapshot() if self.refresh is not None else None,
         )
 
     def restore(self, snap: Snapshot) -> None:
-        for b, (a, g, state) in zip(self.blocks, snap.blocks):
-            b.a.value, b.g.value, b.state = a, g, state
+        for b, (values, state) in zip(self.blocks, snap.blocks):
+            for k, stat in b.statistics().items():
+                stat.value = values[k]
+            b.state = state
         self.scalars = dataclasses.replace(snap.scalars, counters=defaultdict(int, snap.scalars.counters))
         if self.refresh is not None:
             self.refresh.restore(snap.refresh)

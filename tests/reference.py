@@ -86,3 +86,43 @@ def precondition_inverse_relative(a: torch.Tensor, g: torch.Tensor, grad: torch.
     gd = g + root * mean_eigenvalue(g) * torch.eye(g.shape[0], dtype=g.dtype)
     sol = torch.linalg.solve(torch.kron(ad, gd), vec(grad))
     return unvec(sol, *grad.shape)
+
+
+def per_example_gradients(layer: nn.Module, x: torch.Tensor, target: torch.Tensor, loss_fn) -> torch.Tensor:
+    """``B x d_out x (d_in [+1])``: each example's gradient matrix of its own loss, by one backward per example
+    (``loss_fn`` a mean over elements, so the batch gradient is the mean of these)."""
+    grads = []
+    for i in range(x.shape[0]):
+        layer.zero_grad()
+        loss_fn(layer(x[i : i + 1].double()), target[i : i + 1].double()).backward()
+        g = layer.weight.grad.reshape(layer.weight.shape[0], -1)
+        grads.append(torch.cat([g, layer.bias.grad.reshape(-1, 1)], 1) if layer.bias is not None else g.clone())
+    layer.zero_grad()
+    return torch.stack(grads)
+
+
+def eigenbasis(f: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.eigh(f).eigenvectors
+
+
+def corrected_scaling(qa: torch.Tensor, qg: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
+    """``S = mean_i (Q_G^T g_i Q_A)^2``, one example at a time."""
+    return torch.stack([(qg.t() @ g @ qa) ** 2 for g in per_example]).mean(0)
+
+
+def rebased(s: torch.Tensor, old: tuple, new: tuple) -> torch.Tensor:
+    """``S`` re-projected: entry (i, j) is ``sum_kl (qg_new_i . qg_old_k)^2 (qa_new_j . qa_old_l)^2 S[k, l]``."""
+    (old_a, old_g), (new_a, new_g) = old, new
+    out = torch.zeros_like(s)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            weights = torch.outer((new_g[:, i] @ old_g) ** 2, (new_a[:, j] @ old_a) ** 2)
+            out[i, j] = (weights * s).sum()
+    return out
+
+
+def precondition_corrected(
+    qa: torch.Tensor, qg: torch.Tensor, s: torch.Tensor, grad: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``Q_G [(Q_G^T grad Q_A) / (S + damping)] Q_A^T``."""
+    return qg @ ((qg.t() @ grad @ qa) / (s + damping)) @ qa.t()

@@ -73,25 +73,31 @@ def test_async_uses_the_decompositions_of_the_stated_step() -> None:
     assert max(installed) == 8 and install_step(8) == 10
 
 
-def test_a_checkpoint_taken_while_decompositions_run_resumes_bitwise() -> None:
+# The eigenvalue correction's S is re-projected at each install: saved and undone with the rest of the state.
+CORRECTION = pytest.mark.parametrize("extra", [{}, {"eigenvalue_correction": True}], ids=["eigen", "corrected"])
+
+
+@CORRECTION
+def test_a_checkpoint_taken_while_decompositions_run_resumes_bitwise(extra: dict) -> None:
     net, again = model(), model()
-    kfac = KFACPreconditioner(net, lr=0.0, async_decompositions=True, **KEYS)
+    kfac = KFACPreconditioner(net, lr=0.0, async_decompositions=True, **KEYS, **extra)
     for step in range(5):  # decompositions of step 4 are pending, to be installed at step 6
         grads_of(net, kfac, step)
     saved = kfac.state_dict()
     assert saved["pending_decompositions"] == {"started": 4, "install_at": 6}
-    resumed = KFACPreconditioner(again, lr=0.0, async_decompositions=True, **KEYS)
+    resumed = KFACPreconditioner(again, lr=0.0, async_decompositions=True, **KEYS, **extra)
     resumed.load_state_dict(saved)
     for step in range(5, 11):
         for a, b in zip(grads_of(net, kfac, step), grads_of(again, resumed, step)):
             assert torch.equal(a, b), step
 
 
-def test_an_undone_install_step_installs_again() -> None:
+@CORRECTION
+def test_an_undone_install_step_installs_again(extra: dict) -> None:
     """DeepSpeed undoes a skipped (overflowed) step with snapshot/restore: the pending work survives."""
     net, again = model(), model()
-    kfac = KFACPreconditioner(net, lr=0.0, async_decompositions=True, **KEYS)
-    reference = KFACPreconditioner(again, lr=0.0, async_decompositions=True, **KEYS)
+    kfac = KFACPreconditioner(net, lr=0.0, async_decompositions=True, **KEYS, **extra)
+    reference = KFACPreconditioner(again, lr=0.0, async_decompositions=True, **KEYS, **extra)
     for step in range(6):
         grads_of(net, kfac, step)
         grads_of(again, reference, step)

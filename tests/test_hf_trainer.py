@@ -26,6 +26,7 @@ STEPS, SAVE = 4, 2
 STAGE = {1: 0, 2: 2}  # ZeRO stage of each world size's launch
 MICRO, GA, CLIP, LR = 2, 2, 1.0, 0.05  # as in workers/hf_worker.py
 BF16_WORLDS = {2}  # bf16 (Trainer's bf16=True, "bf16": {"enabled": "auto"}) in the 2-rank launch only
+SAMPLED_WORLDS = {2}  # the sampled Fisher ("fisher": "sampled", KFACTrainer(fisher_loss="mse")) likewise
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
@@ -43,6 +44,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if world in BF16_WORLDS:
         scenarios["bf16_trainer"] = {"run": "trainer", "bf16": True, **common}
         scenarios["bf16_direct"] = {"run": "direct", "bf16": True, **common}
+    if world in SAMPLED_WORLDS:
+        scenarios["sampled_trainer"] = {"run": "trainer", "fisher": "sampled", **common}
+        scenarios["sampled_direct"] = {"run": "direct", "fisher": "sampled", **common}
     results = launch.deepspeed_run(world, out, list(scenarios.values()), worker=launch.WORKERS / "hf_worker.py")
     return world, dict(zip(scenarios, results))
 
@@ -93,6 +97,21 @@ def test_bf16_parameters_equal_direct_initialize(runs: tuple[int, dict]) -> None
         assert trainer["kfac_steps"] == trainer["global_step"] == direct["kfac_steps"] == STEPS
         for got, want in zip(trainer["params"], direct["params"]):
             assert torch.equal(got, want)
+
+
+def test_sampled_fisher_in_compute_loss_equals_the_direct_loop(runs: tuple[int, dict]) -> None:
+    """With "fisher": "sampled", KFACTrainer runs the sampled backward in compute_loss on the outputs' logits: the
+    parameters equal bitwise those of a hand-driven engine calling ``engine.kfac.sample_fisher(logits, "mse")``
+    before each ``engine.backward`` (the same targets: the default generator is seeded from the step and rank),
+    and differ from the empirical Fisher's."""
+    world, results = runs
+    if world not in SAMPLED_WORLDS:
+        pytest.skip("the sampled Fisher runs in the 2-rank launch only")
+    for trainer, direct, empirical in zip(results["sampled_trainer"], results["sampled_direct"], results["trainer"]):
+        assert trainer["kfac_steps"] == trainer["global_step"] == direct["kfac_steps"] == STEPS
+        for got, want in zip(trainer["params"], direct["params"]):
+            assert torch.equal(got, want)
+        assert not all(torch.equal(a, b) for a, b in zip(trainer["params"], empirical["params"]))
 
 
 def test_resume_from_trainer_checkpoint_continues_bitwise(runs: tuple[int, dict]) -> None:

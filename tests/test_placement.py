@@ -139,7 +139,12 @@ def test_ordered_buckets_keep_units_whole_and_group_destinations() -> None:
 
 # ------------------------------------------------------------------ distributed runs
 def reference(
-    world: int, steps: int = STEPS, owners: dict[str, int] | None = None, model: str = "mlp", **keys
+    world: int,
+    steps: int = STEPS,
+    owners: dict[str, int] | None = None,
+    model: str = "mlp",
+    per_rank: int = PER_RANK,
+    **keys,
 ) -> tuple[list[torch.Tensor], KFACPreconditioner]:
     """Parameters after each step of a single process on the global batch.
 
@@ -155,12 +160,12 @@ def reference(
         kfac.distributor.collects = lambda block: owners[block.name] == current["rank"]
     history = []
     for step in range(steps):
-        x, y = problem.global_batch(step, PER_RANK * world)
+        x, y = problem.global_batch(step, per_rank * world)
         opt.zero_grad()
         if owners:
             for r in range(world):
                 current["rank"] = r
-                rows = slice(r * PER_RANK, (r + 1) * PER_RANK)
+                rows = slice(r * per_rank, (r + 1) * per_rank)
                 (problem.loss_fn(model(x[rows]), y[rows]) / world).backward()
         else:
             problem.loss_fn(model(x), y).backward()
@@ -204,6 +209,11 @@ def scenarios(world: int) -> dict[str, dict]:
         "kfac": {**KFAC, "bucket_bytes": 256, "factor_reduction": "reduce"},
         "model": "shared",
     }
+    # Eigenvalue correction: every rank projects its examples' gradients, so the bases go to every rank; S is
+    # all-reduced beside factors reduced to their decomposing ranks.
+    runs["mem-opt-corrected-reduce"] = {
+        "kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce", "eigenvalue_correction": True}
+    }
     runs["uniform-comm-opt-allreduce"] = {"kfac": KFAC, "model": "uniform"}
     runs["uniform-mem-opt-reduce"] = {
         "kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"},
@@ -211,6 +221,9 @@ def scenarios(world: int) -> dict[str, dict]:
     }
     for run in runs.values():
         run.update(steps=STEPS, per_rank=PER_RANK)
+    # S is defined in an eigenbasis, which eigh picks freely within a degenerate (null) space: with fewer global rows
+    # than A's size (7) the ranks and the single process would pick different ones. 4 rows per rank.
+    runs["mem-opt-corrected-reduce"]["per_rank"] = 4
     return runs
 
 
@@ -231,7 +244,9 @@ def test_every_mode_matches_single_process_and_ranks_agree_every_step(world_runs
             schedules = [r["refresh"] for r in results]
             assert all(s == schedules[0] for s in schedules), "adaptive intervals differ across ranks"
         scenario = scenarios(world)[name]
-        expected, _ = reference(world, model=scenario.get("model", "mlp"), **scenario["kfac"])
+        expected, _ = reference(
+            world, model=scenario.get("model", "mlp"), per_rank=scenario["per_rank"], **scenario["kfac"]
+        )
         for step in range(STEPS):
             for r in range(1, world):
                 assert torch.equal(results[0]["params"][step], results[r]["params"][step]), (name, step, r)
@@ -287,12 +302,16 @@ def test_mem_opt_reduce_holds_one_world_th_of_comm_opt(world_runs) -> None:
 
 def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str, int]:
     """Documented bytes per rank after some steps (README "memory per rank"): running factors
-    where ``factor_reduction`` keeps them, decompositions on the layer's gradient workers, and
+    where ``factor_reduction`` keeps them, decompositions on the layer's gradient workers (with the eigenvalue
+    correction on every rank that collects), ``S`` on its gradient workers, and
     with adaptive refresh two snapshots of each factor this rank decomposes."""
     keys = {**KFAC, **scenario["kfac"]}
     reduction = keys.get("factor_reduction", "allreduce")
     eigen = keys.get("compute_method", "eigen") == "eigen"
+    corrected = keys.get("eigenvalue_correction", False)
     out = {"factors": 0, "decompositions": 0, "refresh_references": 0}
+    if corrected:
+        out["eigenvalue_corrections"] = 0
     for name, (a_worker, g_worker, workers) in results[0]["layers"].items():
         a, g = results[0]["shapes"][name]
         held = {"A": a * a if rank == a_worker else 0, "G": g * g if rank == g_worker else 0}
@@ -300,9 +319,11 @@ def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str,
             out["factors"] += 4 * (a * a + g * g) if rank in workers else 0
         else:
             out["factors"] += 4 * (held["A"] + held["G"])
-        if rank in workers:
+        if rank in workers or (corrected and reduction != "local"):
             floats = a * a + g * g + (a + g if eigen else 0)
             out["decompositions"] += 4 * floats
+        if corrected and rank in workers:
+            out["eigenvalue_corrections"] += 4 * g * a
         if keys["inv_update_steps"] == "adaptive":
             out["refresh_references"] += 2 * 4 * (held["A"] + held["G"])
     return out
@@ -313,7 +334,7 @@ def test_memory_per_rank_matches_the_formula(world_runs) -> None:
     for name, results in runs.items():
         scenario = scenarios(world)[name]
         for rank, result in enumerate(results):
-            got = {k: result["memory"][k] for k in ("factors", "decompositions", "refresh_references")}
+            got = {k: result["memory"][k] for k in expected_memory(scenario, results, rank)}
             assert got == expected_memory(scenario, results, rank), (name, rank)
 
 
@@ -325,6 +346,7 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
     n = len(next(iter(layers.values()))[2])
     reduction, symmetric = keys.get("factor_reduction", "allreduce"), keys.get("symmetric_comm", False)
     floats = sum((d * (d + 1) // 2 if symmetric else d * d) for a, g in shapes.values() for d in (a, g))
+    corrected = keys.get("eigenvalue_correction", False)
     eigen = keys.get("compute_method", "eigen") == "eigen"
 
     def decomposition(a: int, g: int) -> int:
@@ -340,10 +362,13 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
         out["all_reduce"] += world * 4 * floats
     elif reduction == "reduce":
         out["reduce"] = world * 4 * floats
+    if corrected:  # S, all-reduced beside the factors (also when they are reduced to one rank)
+        out["all_reduce"] += world * 4 * sum(a * g for a, g in shapes.values())
     if n < world:
         out["all_reduce"] += world * 4  # the KL-clip sum
         out["broadcast"] += n * sum(4 * a * g for a, g in shapes.values())  # P(g) along rows
-    if n > 1 and step % keys["inv_update_steps"] == 0:
+    holders = world if corrected and reduction != "local" else n  # the ranks each decomposition goes to
+    if holders > 1 and step % keys["inv_update_steps"] == 0:
         out["broadcast"] += sum(4 * decomposition(a, g) for a, g in shapes.values())
     return out
 

@@ -10,7 +10,17 @@ from pathlib import Path
 import launch
 import pytest
 import torch
-from test_deepspeed import BF16_TOL, FP32_TOL, GA, KFAC, WORLD, assert_ranks_identical, factor_bytes, reference
+from test_deepspeed import (
+    BF16_TOL,
+    FP32_TOL,
+    GA,
+    KFAC,
+    WORLD,
+    assert_ranks_identical,
+    factor_bytes,
+    fp32_tolerance,
+    reference,
+)
 from workers import problem
 
 pytestmark = pytest.mark.timeout(420)
@@ -30,20 +40,28 @@ SCENARIOS = {
     "bf16": {"ds": {**STAGE3, "bf16": {"enabled": True}}, "kfac": MEM_OPT},
     "local": {"ds": STAGE3, "kfac": {**MEM_OPT, "factor_reduction": "local"}},
     "local_stage0": {"kfac": {**MEM_OPT, "factor_reduction": "local"}},
+    "corrected": {"ds": STAGE3, "kfac": {**MEM_OPT, "eigenvalue_correction": True}},
+    "batchnorm": {"ds": STAGE3, "kfac": {**MEM_OPT, "batchnorm": "unit-wise"}, "model": "batchnorm"},
 }
-FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive")
+FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected", "batchnorm")
+RESUMED = {"allreduce": "resumed", "corrected": "resumed_corrected"}
+"""Scenarios saved after step SAVE_AT, and the scenario resuming each."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("zero3")
-    ckpt = str(out / "ckpt")
     scenarios = {name: {**s, "steps": STEPS} for name, s in SCENARIOS.items()}
-    scenarios["allreduce"]["save"] = {"dir": ckpt, "at": SAVE_AT}
-    scenarios["resumed"] = {**SCENARIOS["allreduce"], "steps": STEPS, "load": ckpt}
+    for saved, resumed in RESUMED.items():
+        scenarios[saved]["save"] = {"dir": str(out / saved), "at": SAVE_AT}
+        scenarios[resumed] = {**SCENARIOS[saved], "steps": STEPS, "load": str(out / saved)}
     scenarios["comm_opt"] = {"ds": STAGE3, "kfac": KFAC, "steps": 1, "expect_error": True}
+    local_corrected = {**KFAC, "factor_reduction": "local", "eigenvalue_correction": True}
+    scenarios["local_corrected_comm_opt"] = {"kfac": local_corrected, "steps": 1, "expect_error": True}
+    sampled = {**MEM_OPT, "fisher": "sampled"}
+    scenarios["sampled_fisher"] = {"ds": STAGE3, "kfac": sampled, "steps": 1, "expect_error": True}
     results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
-    results["ckpt"] = ckpt
+    results["ckpt"] = str(out / "allreduce")
     return results
 
 
@@ -53,10 +71,11 @@ def test_zero3_matches_single_process(runs: dict, variant: str) -> None:
     single-process run on the global batch (fp32 to 1e-5; bf16 to its 8-bit mantissa), with factors reduced
     to every worker or to the decomposing rank only, eigen (with or without the outer product, adaptive
     refresh) or inverse; ranks agree. K-FAC ran once per optimizer step, not per micro-batch."""
-    expected, _ = reference(STEPS, **SCENARIOS[variant]["kfac"])
+    expected, _ = reference(STEPS, model=SCENARIOS[variant].get("model", "mlp"), **SCENARIOS[variant]["kfac"])
     results = runs[variant]
     assert_ranks_identical(results)
-    tolerance = BF16_TOL if variant == "bf16" else FP32_TOL
+    scenario = SCENARIOS[variant]
+    tolerance = BF16_TOL if variant == "bf16" else fp32_tolerance(scenario["kfac"], scenario.get("model", "mlp"))
     for got, want in zip(results[0]["params"], expected):
         torch.testing.assert_close(got, want, **tolerance)
     for r in results:
@@ -123,20 +142,28 @@ def test_bytes_on_the_wire_match_the_formula(runs: dict) -> None:
     assert each_way < full_gradient  # what one all-to-all moves, over all ranks together
 
 
-def test_checkpoint_resume_is_bitwise(runs: dict) -> None:
+@pytest.mark.parametrize("saved", list(RESUMED))
+def test_checkpoint_resume_is_bitwise(runs: dict, saved: str) -> None:
     """Saved after step 3 and resumed on the same 2 ranks: the same parameters, bit for bit, as the run
-    that did not stop."""
-    straight, resumed = runs["allreduce"], runs["resumed"]
+    that did not stop (with the eigenvalue correction: S saved from each layer's one gradient worker)."""
+    straight, resumed = runs[saved], runs[RESUMED[saved]]
     assert resumed[0]["kfac"]["steps"] == STEPS
     for r in range(WORLD):
         for a, b in zip(straight[r]["params"], resumed[r]["params"]):
             assert torch.equal(a, b)
 
 
-def test_more_than_one_gradient_worker_is_refused(runs: dict) -> None:
+def test_unsupported_combinations_are_refused(runs: dict) -> None:
     for result in runs["comm_opt"]:
         assert "KFACConfigError" in result["error"]
         assert "grad_worker_fraction='comm-opt' (2 gradient workers per layer) at ZeRO stage 3" in result["error"]
+    # (at stage 0) with local factors the owner's S is not sent to the layer's other gradient workers
+    for result in runs["local_corrected_comm_opt"]:
+        assert "KFACConfigError" in result["error"]
+        assert 'eigenvalue_correction with kfac.factor_reduction="local" needs one gradient worker' in result["error"]
+    # the sampled Fisher's extra backward would run through ZeRO 3's parameter gathering
+    for result in runs["sampled_fisher"]:
+        assert 'KFACConfigError: K-FAC does not support yet: kfac.fisher="sampled" at ZeRO stage 3' in result["error"]
 
 
 def test_resume_at_another_world_size(runs: dict, tmp_path: Path) -> None:

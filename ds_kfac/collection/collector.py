@@ -7,6 +7,17 @@ gets a backward (a metric computed in training mode, a recomputation by
 non-reentrant activation checkpointing) contributes nothing, and ``A`` and
 ``G`` always count the same calls.
 
+What a forward call keeps and how its statistics are counted is the block's
+(:meth:`~ds_kfac.curvature.CurvatureBlock.forward_statistic`,
+:meth:`~ds_kfac.curvature.CurvatureBlock.backward_statistic`): for a Kronecker
+block the ``A`` statistic (or, with the eigenvalue correction, the input), for
+a unit-wise BatchNorm block the normalized input.
+
+With the sampled Fisher, ``G`` comes from an extra backward pass of a loss
+with sampled targets (:meth:`FactorCollector.sampled_backward`): the hooks
+count the statistics of that pass only, and the training loss's backward
+passes through them.
+
 The collector also records what the step checks before preconditioning:
 whether any registered layer received a backward since the step began
 (:attr:`FactorCollector.backward_seen`), whether its hooks ever ran
@@ -23,8 +34,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
-from ..curvature import KFACBlock
+from ..curvature import CurvatureBlock
 from ..layers import LayerAdapter
 from ..placement import Distributor
 from ..timing import PhaseTimer
@@ -35,6 +47,10 @@ compile_reason = (
     "K-FAC's module hooks run eagerly (one graph break per registered layer), so torch.compile(fullgraph=True) "
     "cannot compile a model with K-FAC attached: compile it with fullgraph=False, after attaching K-FAC"
 )
+
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+"""The name of a leaf's backward node (a parameter's, when it is an input of the node that made the output)."""
 
 
 def _in_backward() -> bool:
@@ -62,11 +78,12 @@ class FactorCollector:
             (``None``: all of them); the earlier ones run no statistic.
         micro_batch: the index (0-based) within the optimizer step of the micro-batch whose forward pass is
             running; required when ``factor_micro_batches`` is fewer than ``accumulation_steps``.
+        sampled: take the statistics from :meth:`sampled_backward` only (``fisher: "sampled"``).
     """
 
     def __init__(
         self,
-        blocks: list[KFACBlock],
+        blocks: list[CurvatureBlock],
         distributor: Distributor,
         timer: PhaseTimer,
         *,
@@ -76,8 +93,17 @@ class FactorCollector:
         relays: Sequence[LayerAdapter] = (),
         factor_micro_batches: Optional[int] = None,
         micro_batch: Optional[Callable[[], int]] = None,
+        sampled: bool = False,
     ) -> None:
         self.distributor = distributor
+        self.sampled = sampled
+        """Whether the statistics come from :meth:`sampled_backward` (the sampled Fisher), not the training loss."""
+        self.sampling = False
+        """Whether :meth:`sampled_backward`'s pass is running."""
+        self.sampled_passes = 0
+        """Sampled backward passes that reached registered layers since :meth:`arm`."""
+        # Outputs whose statistics await the sampled pass, with the hook that counts them.
+        self._awaiting: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
         self.timer = timer
         self.accumulation_steps = accumulation_steps
         self.loss_scale = loss_scale
@@ -100,6 +126,7 @@ class FactorCollector:
         """Start a step: gather factors during it or not."""
         self.collecting = collecting
         self.backward_seen = False
+        self.sampled_passes = 0
         self.discard()
 
     def _gathering(self, module: nn.Module) -> bool:
@@ -113,6 +140,7 @@ class FactorCollector:
         """Forget this step's call counts (its statistics are taken or dropped)."""
         self._forwards.clear()
         self._backwards.clear()
+        self._awaiting = []
 
     def unanswered(self) -> dict[str, int]:
         """Per layer, this step's forward calls whose output got no backward (e.g. a metric computed
@@ -124,7 +152,7 @@ class FactorCollector:
             handle.remove()
         self._handles = []
 
-    def _forward_hook(self, block: KFACBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
+    def _forward_hook(self, block: CurvatureBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
         output = block.adapter.output_of(output)
         if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
@@ -135,10 +163,65 @@ class FactorCollector:
             return
         with self.timer.phase("hooks"):
             x = inputs[0]
-            statistic = block.a.statistic(block.adapter.input_rows(x), bias_column=block.adapter.has_bias)
+            pending = block.forward_statistic(x)
             if not _in_backward():  # a recomputation stands in for a forward already counted
                 self._forwards[block.name] += 1
-            output.register_hook(partial(self._output_grad_hook, block, block.adapter.batch_size(x), statistic))
+            hook = partial(self._output_grad_hook, block, block.adapter.batch_size(x), pending)
+            output.register_hook(hook)
+            if self.sampled:
+                self._awaiting.append((output, hook))
+
+    def sampled_backward(self, output: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Back-propagate ``loss(output)`` (targets sampled from the model) to the outputs of the registered layers'
+        calls since the last such pass, so that their hooks count this pass's statistics. Returns whether any call
+        awaited it (none: not a micro-batch that gathers factors, or a forward outside training mode), and only
+        then computes the loss.
+
+        ``loss`` is taken of a detached copy of ``output``; its gradient enters the graph below ``output``: the
+        backward node that made ``output`` is called directly, and ``torch.autograd.grad`` goes on from that node's
+        inputs to the awaiting outputs only, keeping the graph for the training loss's backward. So hooks on
+        ``output`` itself (DeepSpeed's engine hooks its forward's outputs to start its gradient reduction) do not
+        run, no parameter's ``.grad`` is touched, and of the weight gradients only that node's (discarded) is
+        computed. An awaiting output that is ``output`` itself gets its hook called with the loss's gradient."""
+        awaiting, self._awaiting = self._awaiting, []
+        if not awaiting:
+            return False
+        if output.grad_fn is None or output.output_nr != 0:
+            raise ValueError(
+                "sample_fisher needs the model's output as its forward made it (a tensor with a backward node, the "
+                "node's first output): not a detached tensor, nor one output of a multi-output operation"
+            )
+        leaf = output.detach().requires_grad_()
+        with torch.enable_grad():
+            (root,) = torch.autograd.grad(loss(leaf), leaf)
+        root = root.to(output.dtype)
+        node = output.grad_fn
+        self.sampling = True
+        try:
+            inner = []
+            for out, hook in awaiting:
+                if out.grad_fn is node and out.output_nr == 0:
+                    hook(root)
+                else:
+                    inner.append(out)
+            if inner:
+                grads = node(root)  # a node with one input returns a tensor, others a tuple
+                below = [  # the node's inputs but parameters (leaves, whose gradient the engine would sum to shape)
+                    (GradientEdge(fn, nr), grad)
+                    for (fn, nr), grad in zip(node.next_functions, (grads,) if torch.is_tensor(grads) else grads)
+                    if fn is not None and grad is not None and fn.name() != ACCUMULATE_GRAD
+                ]
+                torch.autograd.grad(
+                    [edge for edge, _ in below],
+                    inner,
+                    grad_outputs=[grad for _, grad in below],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+        finally:
+            self.sampling = False
+        self.sampled_passes += 1
+        return True
 
     def _relay_forward_hook(self, adapter: LayerAdapter, module: nn.Module, inputs: tuple, output: Any) -> None:
         """:meth:`_forward_hook` of a layer whose factors another rank holds: send it this rank's rows."""
@@ -162,9 +245,17 @@ class FactorCollector:
     def _mark_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True
 
-    def _output_grad_hook(self, block: KFACBlock, batch_size: int, statistic: torch.Tensor, grad: torch.Tensor) -> None:
+    def _output_grad_hook(self, block: CurvatureBlock, batch_size: int, pending: Any, grad: torch.Tensor) -> None:
+        """Count the call's statistics: ``pending`` from its forward, and ``grad``, the gradient of its output."""
         with self.timer.phase("hooks"):
             self.backward_seen = True
+            if self.sampled and not self.sampling:
+                # The training loss's backward: G is the sampled pass's, which can no longer run on the calls before
+                # it. The statistics are handed over from here, where the accumulation boundary is known
+                # (accelerate sets it only in its backward).
+                self._awaiting = []
+                self._hand_over_when_complete(block)
+                return
             if self.distributor.handed_over(block):
                 raise RuntimeError(
                     f"K-FAC layer {block.name!r} ran again after its factors for this step were final and sent "
@@ -173,12 +264,16 @@ class FactorCollector:
                 )
             # c = B * accumulation_steps / loss_scale: per-example gradients of the unscaled loss.
             scale = self.loss_scale() if self.loss_scale is not None else 1.0
-            block.a.add(statistic)
-            block.g.accumulate(block.adapter.output_grad_rows(grad), batch_size * self.accumulation_steps / scale)
+            block.backward_statistic(pending, grad, batch_size, batch_size * self.accumulation_steps / scale)
             self._backwards[block.name] += 1
-            # Complete once every counted forward call of the step has had its backward (a layer called
-            # several times per micro-batch waits for its last call; under reentrant checkpointing every
-            # forward runs inside the backward and none is counted).
-            done = self.last_micro_batch is not None and self._backwards[block.name] >= self._forwards[block.name]
-            if done and self.last_micro_batch():
-                self.distributor.statistics_ready(block)
+            if not self.sampled:
+                self._hand_over_when_complete(block)
+
+    def _hand_over_when_complete(self, block: CurvatureBlock) -> None:
+        """Hand the layer's statistics to the reduction if they are complete: in the last micro-batch, once every
+        counted forward call of the step has had its backward (a layer called several times per micro-batch waits
+        for its last call; under reentrant checkpointing every forward runs inside the backward and none is
+        counted)."""
+        done = self.last_micro_batch is not None and self._backwards[block.name] >= self._forwards[block.name]
+        if done and self.last_micro_batch() and not self.distributor.handed_over(block):
+            self.distributor.statistics_ready(block)

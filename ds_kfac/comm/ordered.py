@@ -57,7 +57,6 @@ class OrderedBuckets:
     ) -> None:
         self.dtype, self.device, self.group = dtype, device, group
         self.world = data_parallel_world(group)
-        self.kind = "all_reduce" if dsts is None else "reduce"
         self._sizes = [list(u) for u in units]
         self._dsts = [list(d) for d in dsts] if dsts is not None else [[None] * len(u) for u in units]
         self._offsets = [[0] * len(u) for u in units]  # element offset of each tensor in its bucket
@@ -154,8 +153,9 @@ class OrderedBuckets:
             b.works = []
             for dst, start, end in b.segments:
                 part = b.flat[start:end]
-                STATS[self.kind] += part.numel() * part.element_size()
-                STATS[f"{self.kind}_calls"] += 1
+                kind = "all_reduce" if dst is None else "reduce"
+                STATS[kind] += part.numel() * part.element_size()
+                STATS[f"{kind}_calls"] += 1
                 if dst is None:
                     b.works.append(dist.all_reduce(part, group=self.group, async_op=True))
                 else:

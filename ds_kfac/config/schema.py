@@ -118,6 +118,9 @@ class KFACConfig(BaseModel):
     kl_clip: Optional[_schedule("kl_clip")] = 0.001
     compute_method: Literal["eigen", "inverse"] = "eigen"
     eigenvalue_outer_product: bool = False
+    eigenvalue_correction: bool = False
+    fisher: Literal["empirical", "sampled"] = "empirical"
+    batchnorm: Literal["none", "unit-wise"] = "none"
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"
@@ -148,6 +151,19 @@ class KFACConfig(BaseModel):
         method = info.data.get("compute_method")
         if v and method not in (None, "eigen"):
             raise ValueError(f"true needs compute_method 'eigen', this config has compute_method={method!r}")
+        return v
+
+    @field_validator("eigenvalue_correction")
+    @classmethod
+    def _correction_needs_plain_eigen(cls, v: bool, info: ValidationInfo) -> bool:
+        method = info.data.get("compute_method")
+        if v and method not in (None, "eigen"):
+            raise ValueError(f"true needs compute_method 'eigen', this config has compute_method={method!r}")
+        if v and info.data.get("eigenvalue_outer_product"):
+            raise ValueError(
+                "true cannot be combined with eigenvalue_outer_product: true (the outer product caches "
+                "1 / (v_G v_A^T + damping) per decomposition, the correction S changes at every factor-update step)"
+            )
         return v
 
     @field_validator("skip_layers")

@@ -1,7 +1,8 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
 from .background import Background
-from .block import KFACBlock, StackedStates, blocks_device
+from .block import CurvatureBlock, KFACBlock, StackedStates, blocks_device
+from .correction import EigenvalueCorrection
 from .decomposition import (
     METHODS,
     Decomposition,
@@ -12,22 +13,32 @@ from .decomposition import (
     curvature_floor,
     method_for,
 )
-from .factors import KroneckerFactor
+from .factors import KroneckerFactor, RunningAverage
+from .fisher import FisherLoss, sampled_loss
 from .refresh import AdaptiveRefresh
+from .unitwise import UnitFisher, UnitWiseBlock, UnitWiseInverse
 
 __all__ = [
     "METHODS",
     "AdaptiveRefresh",
     "Background",
+    "CurvatureBlock",
     "Decomposition",
     "EigenDecomposition",
+    "EigenvalueCorrection",
+    "FisherLoss",
     "EigenOuterDecomposition",
     "InverseDecomposition",
     "KFACBlock",
     "KroneckerFactor",
+    "RunningAverage",
     "StackedStates",
+    "UnitFisher",
+    "UnitWiseBlock",
+    "UnitWiseInverse",
     "all_finite",
     "blocks_device",
     "curvature_floor",
     "method_for",
+    "sampled_loss",
 ]

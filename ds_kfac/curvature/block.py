@@ -1,44 +1,97 @@
-"""A curvature block: the Kronecker-factored curvature of one layer.
+"""Curvature blocks: one layer's curvature each, behind one interface.
 
-The block owns the layer's two factors and its current decomposition. It
-knows nothing about hooks, ranks or optimizers: the preconditioner feeds it
-rows and the communication layer moves its tensors. :class:`StackedStates`
-turns the gradient matrices of many blocks into preconditioned ones.
+A block owns its layer's running statistics (gathered by the hooks through
+:meth:`CurvatureBlock.forward_statistic` and :meth:`CurvatureBlock.backward_statistic`),
+their decomposition (its *sides*, each decomposed on one rank) and the method
+that preconditions with it. It knows nothing about hooks, ranks or optimizers:
+the collector feeds it inputs and output gradients, and the placement,
+communication and checkpoint code move its tensors by name and shape only.
+
+* :class:`KFACBlock`: the Kronecker factors ``A`` and ``G`` of a Linear or
+  Conv2d layer (sides ``A`` and ``G``) and, with ``eigenvalue_correction``, the
+  second moment ``S`` of its per-example gradients in the eigenbasis;
+* :class:`~ds_kfac.curvature.unitwise.UnitWiseBlock`: a BatchNorm layer's
+  per-channel Fisher over ``(gamma, beta)`` (one side, ``F``).
+
+:class:`StackedStates` turns the gradient matrices of many blocks into preconditioned ones.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
 from ..layers.base import LayerAdapter
-from .decomposition import Decomposition, State
-from .factors import KroneckerFactor
+from .correction import EigenvalueCorrection
+from .decomposition import Decomposition, Shape, State
+from .factors import KroneckerFactor, RunningAverage
 
 
-class KFACBlock:
-    """Factors ``A`` (``a_dim``) and ``G`` (``g_dim``) of one layer and their decomposition."""
+class CurvatureBlock(ABC):
+    """One layer's curvature: running statistics, their decomposition (:attr:`state`), and its method.
 
-    def __init__(
-        self,
-        name: str,
-        adapter: LayerAdapter,
-        method: Decomposition,
-        factor_dtype: torch.dtype = torch.float32,
-        inv_dtype: torch.dtype = torch.float32,
-    ) -> None:
+    Args:
+        name: the layer's name in the model.
+        adapter: the layer's view of its module (parameters, gradient matrix ``g_dim x a_dim``).
+        method: how the decomposition preconditions (:class:`~ds_kfac.curvature.decomposition.Decomposition`).
+        inv_dtype: dtype of the decomposition and of preconditioning.
+    """
+
+    sides: tuple[str, ...]
+    """The statistics decomposed on their own rank, in the order their tensors make up :attr:`state` (a block
+    with one side has it decomposed on one rank)."""
+
+    def __init__(self, name: str, adapter: LayerAdapter, method: Decomposition, inv_dtype: torch.dtype) -> None:
         self.name = name
         self.adapter = adapter
         self.method = method
         self.inv_dtype = inv_dtype
-        self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
-        self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
+        self.correction: Optional[EigenvalueCorrection] = None
+        """The eigenvalue correction ``S`` (Kronecker blocks with ``eigenvalue_correction`` only)."""
         self._state: Optional[State] = None
         self.state_version = 0
         """Bumped whenever :attr:`state` is assigned, so caches built from it know when to rebuild."""
+
+    @abstractmethod
+    def statistics(self) -> dict[str, RunningAverage]:
+        """The running statistics by name, in the order they travel (the :attr:`sides`, then any others)."""
+
+    @abstractmethod
+    def forward_statistic(self, x: torch.Tensor) -> Any:
+        """What a forward call with input ``x`` keeps until its output's gradient arrives."""
+
+    @abstractmethod
+    def backward_statistic(self, pending: Any, grad: torch.Tensor, examples: int, scale: Any) -> None:
+        """Add one call's statistics: ``pending`` from :meth:`forward_statistic`, ``grad`` the gradient of its
+        output, ``examples`` its batch size and ``scale`` the factor ``c`` that makes the output gradients
+        per-example gradients of the unscaled loss."""
+
+    @abstractmethod
+    def side_shapes(self) -> dict[str, list[Shape]]:
+        """The shapes of the tensors of each side's decomposition."""
+
+    @abstractmethod
+    def compute_sides(
+        self, values: dict[str, Optional[torch.Tensor]], damping: float, dtype: torch.dtype
+    ) -> dict[str, Optional[State]]:
+        """The decomposition of each side in ``values`` (its statistic; ``None`` where LAPACK failed)."""
+
+    @abstractmethod
+    def costs(self, power: int) -> tuple[float, ...]:
+        """The decomposition cost of each side (``power`` 3: compute, 2: memory), for the placement."""
+
+    @property
+    def colocated(self) -> bool:
+        """Whether all sides must be decomposed together, on one rank."""
+        return self.method.colocated or len(self.sides) == 1
+
+    def install(self, state: State) -> None:
+        """Adopt a new decomposition."""
+        self.state = state
 
     @property
     def state(self) -> Optional[State]:
@@ -51,7 +104,82 @@ class KFACBlock:
         self.state_version += 1
 
 
-def blocks_device(blocks: Iterable[KFACBlock]) -> torch.device:
+@dataclass(frozen=True)
+class _Input:
+    """A layer call's input, kept from the forward to the backward hook (eigenvalue correction)."""
+
+    x: torch.Tensor
+
+
+class KFACBlock(CurvatureBlock):
+    """Factors ``A`` (``a_dim``) and ``G`` (``g_dim``) of one layer, their decomposition and, with
+    ``eigenvalue_correction``, the correction ``S`` (``g_dim x a_dim``)."""
+
+    sides = ("A", "G")
+
+    def __init__(
+        self,
+        name: str,
+        adapter: LayerAdapter,
+        method: Decomposition,
+        factor_dtype: torch.dtype = torch.float32,
+        inv_dtype: torch.dtype = torch.float32,
+        eigenvalue_correction: bool = False,
+    ) -> None:
+        super().__init__(name, adapter, method, inv_dtype)
+        self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
+        self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
+        if eigenvalue_correction:
+            self.correction = EigenvalueCorrection(adapter.a_dim, adapter.g_dim, factor_dtype)
+
+    def statistics(self) -> dict[str, RunningAverage]:
+        """``A``, ``G`` and, with the correction, ``S``."""
+        stats: dict[str, RunningAverage] = {"A": self.a, "G": self.g}
+        if self.correction is not None:
+            stats["S"] = self.correction
+        return stats
+
+    def forward_statistic(self, x: torch.Tensor) -> Union[torch.Tensor, _Input]:
+        """The call's ``A`` statistic; with the correction and an eigenbasis, the input itself (which autograd
+        keeps anyway for the weight gradient): the backward computes its rows once for ``A`` and for ``S``, whose
+        per-example gradients need each example's input and output-gradient rows together."""
+        if self.correction is not None and self.state is not None:
+            return _Input(x.detach())
+        return self.a.statistic(self.adapter.input_rows(x), bias_column=self.adapter.has_bias)
+
+    def backward_statistic(
+        self, pending: Union[torch.Tensor, _Input], grad: torch.Tensor, examples: int, scale: Any
+    ) -> None:
+        g_rows = self.adapter.output_grad_rows(grad)
+        if isinstance(pending, _Input):
+            a_rows = self.adapter.input_rows(pending.x)
+            self.a.add(self.a.statistic(a_rows, bias_column=self.adapter.has_bias))
+            basis = self.method.basis(self.state)
+            self.correction.accumulate(a_rows, g_rows, examples, scale, basis, self.adapter.has_bias)
+        else:
+            self.a.add(pending)
+        self.g.accumulate(g_rows, scale)
+
+    def side_shapes(self) -> dict[str, list[Shape]]:
+        return dict(zip(self.sides, self.method.side_shapes(self.adapter.a_dim, self.adapter.g_dim)))
+
+    def compute_sides(
+        self, values: dict[str, Optional[torch.Tensor]], damping: float, dtype: torch.dtype
+    ) -> dict[str, Optional[State]]:
+        a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype)
+        return {side: state for side, state in (("A", a_side), ("G", g_side)) if side in values}
+
+    def costs(self, power: int) -> tuple[float, ...]:
+        return float(self.adapter.a_dim) ** power, float(self.adapter.g_dim) ** power
+
+    def install(self, state: State) -> None:
+        """Adopt a new decomposition. The correction follows a new eigenbasis: ``S`` is re-projected onto it."""
+        if self.correction is not None and self.state is not None:
+            self.correction.rebase(self.method.basis(self.state), self.method.basis(state))
+        self.state = state
+
+
+def blocks_device(blocks: Iterable[CurvatureBlock]) -> torch.device:
     """The device of the first block's layer (CPU with no blocks): where per-layer flags live."""
     first = next(iter(blocks), None)
     return first.adapter.module.weight.device if first is not None else torch.device("cpu")
@@ -69,6 +197,21 @@ def _graft(result: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     grad_norm = (grads / grad_max.clamp(min=tiny)).norm(dim=dims, keepdim=True) * grad_max
     result.div_(result.abs().amax(dim=dims, keepdim=True).clamp(min=tiny))  # now of largest magnitude 1 (or 0)
     return result.mul_(grad_norm / result.norm(dim=dims, keepdim=True).clamp(min=1.0))
+
+
+def _scaling(blocks: Sequence[CurvatureBlock], positions: list[int]) -> Optional[torch.Tensor]:
+    """The stacked eigenvalue corrections ``S`` of the blocks at ``positions``, a block without one yet (before the
+    first factor-update step in an eigenbasis) taking its Kronecker eigenvalues ``v_G v_A^T``; ``None`` when no block
+    has one (plain K-FAC)."""
+    if not any(blocks[i].correction is not None and blocks[i].correction.value is not None for i in positions):
+        return None
+    dtype = blocks[positions[0]].state[0].dtype
+    return torch.stack(
+        [
+            b.method.eigenvalues(b.state) if b.correction.value is None else b.correction.value.to(dtype)
+            for b in (blocks[i] for i in positions)
+        ]
+    )
 
 
 @dataclass
@@ -102,7 +245,7 @@ class StackedStates:
         return sum(g.cached.numel() * g.cached.element_size() for g in self._groups if g.cached is not None)
 
     def precondition(
-        self, blocks: Sequence[KFACBlock], grads: Sequence[torch.Tensor], damping: float, graft: bool = False
+        self, blocks: Sequence[CurvatureBlock], grads: Sequence[torch.Tensor], damping: float, graft: bool = False
     ) -> list[torch.Tensor]:
         """``P(grad)`` of each block, in its decomposition's dtype; the gradient itself before its first, and
         while its decomposition has no usable curvature (relative damping of a dead layer).
@@ -116,7 +259,7 @@ class StackedStates:
             if group.cached_for != damping:
                 group.cached, group.cached_for = method.precompute(state, damping), damping
             stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
-            result = method.precondition(state, stacked, damping, group.cached)
+            result = method.precondition(state, stacked, damping, group.cached, _scaling(blocks, positions))
             if graft:
                 result = _graft(result, stacked)
             if group.uncurved is not None:
@@ -125,26 +268,26 @@ class StackedStates:
                 out[i] = result[j]
         return out
 
-    def stale(self, blocks: Sequence[KFACBlock]) -> bool:
+    def stale(self, blocks: Sequence[CurvatureBlock]) -> bool:
         """Whether the stacks are not those of ``blocks`` and their current states."""
         return self._key != self._versions(blocks)
 
-    def prepare(self, blocks: Sequence[KFACBlock]) -> None:
+    def prepare(self, blocks: Sequence[CurvatureBlock]) -> None:
         """Stack the states of ``blocks`` unless that is already done (one copy of them per refresh)."""
         if self.stale(blocks):
             self._groups = self._stack(blocks)
             self._key = self._versions(blocks)
 
     @staticmethod
-    def _versions(blocks: Sequence[KFACBlock]) -> tuple:
+    def _versions(blocks: Sequence[CurvatureBlock]) -> tuple:
         return tuple((b.name, b.state_version) for b in blocks)
 
     @staticmethod
-    def _stack(blocks: Sequence[KFACBlock]) -> list[_Group]:
+    def _stack(blocks: Sequence[CurvatureBlock]) -> list[_Group]:
         by_layout: dict[tuple, list[int]] = defaultdict(list)
         for i, b in enumerate(blocks):
             if b.state is not None:
-                by_layout[tuple((t.shape, t.dtype) for t in b.state)].append(i)
+                by_layout[(b.method.name, *((t.shape, t.dtype) for t in b.state))].append(i)
         groups = []
         for positions in by_layout.values():
             state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].state for i in positions)))

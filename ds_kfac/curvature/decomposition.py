@@ -4,6 +4,10 @@
 
     P(g) = Q_G [ (Q_G^T g Q_A) / (v_G v_A^T + damping) ] Q_A^T
 
+``eigen`` with ``eigenvalue_correction`` (George et al. 2018; ``S`` from :mod:`.correction`)::
+
+    P(g) = Q_G [ (Q_G^T g Q_A) / (S + damping) ] Q_A^T
+
 ``eigen`` with ``eigenvalue_outer_product`` (KAISA's precompute)::
 
     D = 1 / (v_G v_A^T + damping)        (cached by each gradient worker)
@@ -21,7 +25,8 @@
 With ``relative_damping`` the damping is relative to the block's mean
 curvature: ``damping * mean(eig A) * mean(eig G)`` replaces ``damping``
 (``mean(eig F) = tr F / dim F``; the eigenvalues clamped at 0 for the eigen
-methods), so ``P(g)``'s direction does not depend on the scale of a layer's
+methods; ``damping * mean(S)`` with the eigenvalue correction, the same
+for ``S = v_G v_A^T``), so ``P(g)``'s direction does not depend on the scale of a layer's
 factors, which differs by orders of magnitude between layers. For ``inverse``
 this makes the factor dampings ``sqrt(damping) tr A / dim A`` and
 ``sqrt(damping) tr G / dim G``. A block whose mean curvature
@@ -90,7 +95,7 @@ def _in_eigenbasis(
     return qg @ rescale(rotated) @ qa.mT
 
 
-def _floored(damping: torch.Tensor) -> torch.Tensor:
+def floor_damping(damping: torch.Tensor) -> torch.Tensor:
     """A relative damping kept a normal number (it underflows when a tiny ``damping`` multiplies a small curvature),
     so that no ``0 / 0`` arises; blocks without usable curvature are passed through anyway (:meth:`uncurved`)."""
     return damping.clamp(min=torch.finfo(damping.dtype).tiny)
@@ -146,7 +151,7 @@ class Decomposition(ABC):
         shaped to broadcast over each layer's ``d_G x d_A`` matrix."""
         if not self.relative_damping:
             return damping
-        return _floored(va.mean(-1) * vg.mean(-1) * damping)[..., None, None]
+        return floor_damping(va.mean(-1) * vg.mean(-1) * damping)[..., None, None]
 
     @abstractmethod
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
@@ -164,10 +169,17 @@ class Decomposition(ABC):
 
     @abstractmethod
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+        self,
+        state: State,
+        grad: torch.Tensor,
+        damping: float,
+        cached: Optional[torch.Tensor] = None,
+        scaling: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``P(grad)`` for a ``d_G x d_A`` gradient matrix (or a stack of them, with stacked
-        states), in the state's dtype; ``cached`` is :meth:`precompute`'s result, when kept."""
+        states), in the state's dtype; ``cached`` is :meth:`precompute`'s result, when kept. ``scaling``
+        (``d_G x d_A`` per layer) replaces the Kronecker eigenvalues ``v_G v_A^T`` in the eigenbasis (the
+        eigenvalue correction ``S``); only ``eigen`` takes it (the config refuses the correction with the others)."""
 
 
 class EigenDecomposition(Decomposition):
@@ -190,14 +202,38 @@ class EigenDecomposition(Decomposition):
     ) -> tuple[Optional[State], Optional[State]]:
         return tuple(None if f is None else _with_fallback(_eigh, f, dtype) for f in (a, g))
 
+    @staticmethod
+    def basis(state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eigenvectors ``(Q_A, Q_G)`` of a state."""
+        return state[0], state[2]
+
+    @staticmethod
+    def eigenvalues(state: State) -> torch.Tensor:
+        """The Kronecker eigenvalues ``v_G v_A^T`` (``d_G x d_A``, or a stack) of a state, as a new tensor."""
+        _, va, _, vg = state
+        return vg[..., :, None] * va[..., None, :]
+
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+        self,
+        state: State,
+        grad: torch.Tensor,
+        damping: float,
+        cached: Optional[torch.Tensor] = None,
+        scaling: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         qa, va, qg, vg = state
-        block = self.block_damping(damping, va, vg)
-        return _in_eigenbasis(
-            qa, qg, grad, lambda rotated: rotated.div_((vg[..., :, None] * va[..., None, :]).add_(block))
-        )
+        if scaling is None:
+            denominator = self.eigenvalues(state).add_(self.block_damping(damping, va, vg))
+        else:
+            denominator = scaling + self.corrected_damping(damping, scaling)
+        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(denominator))
+
+    def corrected_damping(self, damping: float, scaling: torch.Tensor) -> torch.Tensor | float:
+        """The damping with the eigenvalue correction ``S``: ``damping``, or with ``relative_damping``
+        ``damping * mean(S)`` per layer (``damping * mean(v_A) * mean(v_G)`` for ``S = v_G v_A^T``)."""
+        if not self.relative_damping:
+            return damping
+        return floor_damping(scaling.mean(dim=(-2, -1)) * damping)[..., None, None]
 
 
 class EigenOuterDecomposition(EigenDecomposition):
@@ -208,10 +244,15 @@ class EigenOuterDecomposition(EigenDecomposition):
 
     def precompute(self, state: State, damping: float) -> torch.Tensor:
         _, va, _, vg = state
-        return (vg[..., :, None] * va[..., None, :]).add_(self.block_damping(damping, va, vg)).reciprocal_()
+        return self.eigenvalues(state).add_(self.block_damping(damping, va, vg)).reciprocal_()
 
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+        self,
+        state: State,
+        grad: torch.Tensor,
+        damping: float,
+        cached: Optional[torch.Tensor] = None,
+        scaling: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         qa, _, qg, _ = state
         d = cached if cached is not None else self.precompute(state, damping)
@@ -245,7 +286,7 @@ class InverseDecomposition(Decomposition):
         uncurved = None
         if self.relative_damping:
             # pi * sqrt(damping * ta * tg) and sqrt(damping * ta * tg) / pi.
-            damp_a, damp_g = _floored(root * ta), _floored(root * tg)
+            damp_a, damp_g = floor_damping(root * ta), floor_damping(root * tg)
             uncurved = _below_floor(ta, tg)
         else:
             # pi balances the damping between the factors; 1 when a trace is not positive.
@@ -260,7 +301,12 @@ class InverseDecomposition(Decomposition):
         return tuple(None if s is None else (torch.where(uncurved, 0.0, s[0]),) for s in sides)
 
     def precondition(
-        self, state: State, grad: torch.Tensor, damping: float, cached: Optional[torch.Tensor] = None
+        self,
+        state: State,
+        grad: torch.Tensor,
+        damping: float,
+        cached: Optional[torch.Tensor] = None,
+        scaling: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         a_inv, g_inv = state
         return g_inv @ grad.to(a_inv.dtype) @ a_inv

@@ -1,4 +1,4 @@
-"""One Kronecker factor: per-step accumulation and the running average.
+"""Per-layer running statistics: Kronecker factors (and eigenvalue corrections, :mod:`.correction`).
 
 Within an optimizer step every micro-batch adds ``(1/n) sum_r x_r x_r^T`` to
 an accumulator (so memory does not grow with gradient accumulation); at the
@@ -19,32 +19,19 @@ def compute_dtype(storage_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if storage_dtype == torch.float64 else torch.float32
 
 
-class KroneckerFactor:
-    """Running average of ``E[x x^T]`` for one side (``A`` or ``G``) of one layer."""
+class RunningAverage:
+    """A per-layer statistic of shape ``shape``: per-step accumulation of micro-batch statistics and the running
+    average ``F <- decay * F + (1 - decay) * F_step`` (the first update setting ``F = F_step``)."""
 
-    def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
-        self.dim = dim
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+        self.shape = shape
         self.dtype = dtype
         self.value: Optional[torch.Tensor] = None
         self._sum: Optional[torch.Tensor] = None
         self._count = 0
 
-    def accumulate(self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0) -> None:
-        """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows (``G``, at the backward)."""
-        x = rows.detach().to(compute_dtype(self.dtype))
-        if self._sum is None:
-            self._sum = x.new_zeros(self.dim, self.dim)
-        _add_outer(self._sum, x, scale, bias_column=False)
-        self._count += 1
-
-    def statistic(self, rows: torch.Tensor, bias_column: bool = False) -> torch.Tensor:
-        """One micro-batch's ``(1/n) sum_r x_r x_r^T`` as a new matrix, to :meth:`add` later (``A`` is
-        computed at the forward pass but counts only once its output gets a backward)."""
-        x = rows.detach().to(compute_dtype(self.dtype))
-        return _add_outer(x.new_zeros(self.dim, self.dim), x, 1.0, bias_column)
-
     def add(self, statistic: torch.Tensor) -> None:
-        """Add a :meth:`statistic` as one micro-batch (the first is adopted, not copied)."""
+        """Add one micro-batch's statistic (the first is adopted, not copied)."""
         if self._sum is None:
             self._sum = statistic
         else:
@@ -73,7 +60,7 @@ class KroneckerFactor:
         self._sum, self._count = None, 0
 
     def blend(self, step_value: torch.Tensor, decay: float) -> torch.Tensor:
-        """The running average with a step's factor folded in, as a new tensor in the storage dtype.
+        """The running average with a step's statistic folded in, as a new tensor in the storage dtype.
 
         The running average itself is not touched (a step can still be undone by
         restoring the reference, see :meth:`KFACPreconditioner.snapshot`): one
@@ -83,6 +70,28 @@ class KroneckerFactor:
         if self.value is None:
             return new.to(self.dtype, copy=True)
         return torch.lerp(self.value.to(new.dtype), new, 1.0 - decay).to(self.dtype)
+
+
+class KroneckerFactor(RunningAverage):
+    """Running average of ``E[x x^T]`` for one side (``A`` or ``G``) of one layer."""
+
+    def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__((dim, dim), dtype)
+        self.dim = dim
+
+    def accumulate(self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0) -> None:
+        """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows (``G``, at the backward)."""
+        x = rows.detach().to(compute_dtype(self.dtype))
+        if self._sum is None:
+            self._sum = x.new_zeros(self.dim, self.dim)
+        _add_outer(self._sum, x, scale, bias_column=False)
+        self._count += 1
+
+    def statistic(self, rows: torch.Tensor, bias_column: bool = False) -> torch.Tensor:
+        """One micro-batch's ``(1/n) sum_r x_r x_r^T`` as a new matrix, to :meth:`add` later (``A`` is
+        computed at the forward pass but counts only once its output gets a backward)."""
+        x = rows.detach().to(compute_dtype(self.dtype))
+        return _add_outer(x.new_zeros(self.dim, self.dim), x, 1.0, bias_column)
 
 
 def _add_outer(

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-Key = tuple[str, str]  # (layer name, "A" or "G")
+Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
 
 
 @dataclass
@@ -38,11 +38,12 @@ class FactorRefresh:
 
 
 def relative_change(new: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
-    """``||new - reference||_F / ||reference||_F`` (infinite with no reference)."""
+    """``||new - reference||_F / ||reference||_F`` (infinite with no reference); the norm of all entries, also of a
+    stack of matrices (a unit-wise block's)."""
     if reference is None:
         return float("inf")
     ref = reference.float()
-    return (torch.linalg.matrix_norm(new.float() - ref) / torch.linalg.matrix_norm(ref).clamp(min=1e-30)).item()
+    return (torch.linalg.vector_norm(new.float() - ref) / torch.linalg.vector_norm(ref).clamp(min=1e-30)).item()
 
 
 class AdaptiveRefresh:

@@ -13,6 +13,9 @@ Trainer's DeepSpeed checkpoints go through ``engine.save_checkpoint`` /
 ``load_checkpoint``, so ``resume_from_checkpoint`` restores K-FAC's state
 (``<checkpoint>/global_step<N>/kfac_state.pt``) with the model and optimizer.
 Each training log gains K-FAC's metrics (:meth:`ds_kfac.KFACPreconditioner.metrics`).
+
+With ``"fisher": "sampled"`` the sampled Fisher's extra backward runs in :meth:`KFACTrainer.compute_loss`, on the
+outputs' ``logits`` (and the ``labels``, whose ignored positions it leaves out), before Trainer's backward.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from ..config import KFACConfig
+from ..curvature import FisherLoss
 from ..integration.engine import KFACEngine
 from ..integration.substitute import kfac_initialize_once
 from ..preconditioner import KFACPreconditioner
@@ -36,8 +40,14 @@ from ..preconditioner import KFACPreconditioner
 class KFACTrainer(Trainer):
     """``transformers.Trainer`` with K-FAC preconditioning at each optimizer step (DeepSpeed only).
 
-    Takes Trainer's arguments unchanged. The preconditioner of the running engine is :attr:`kfac`.
+    Takes Trainer's arguments unchanged, and ``fisher_loss``: the loss whose targets the sampled Fisher draws
+    (``"cross_entropy"``: classification and language modelling; ``"mse"``: regression), used only with
+    ``"fisher": "sampled"``. The preconditioner of the running engine is :attr:`kfac`.
     """
+
+    def __init__(self, *args: Any, fisher_loss: FisherLoss = "cross_entropy", **kwargs: Any) -> None:
+        self.fisher_loss = fisher_loss
+        super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, whose training ``prepare`` builds the engine with ``ds_kfac.initialize``."""
@@ -63,6 +73,20 @@ class KFACTrainer(Trainer):
         """The running engine's K-FAC preconditioner (``None`` before training starts, or with K-FAC disabled)."""
         engine = self.model_wrapped
         return engine.kfac if isinstance(engine, KFACEngine) else None
+
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any
+    ) -> Any:
+        """Trainer's loss; with ``"fisher": "sampled"``, in training, first the sampled Fisher's backward on the
+        outputs' logits (:meth:`ds_kfac.KFACPreconditioner.sample_fisher`), which leaves every ``.grad`` as it is."""
+        kfac = self.kfac
+        if kfac is None or kfac.config.fisher != "sampled" or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        labels = inputs.get("labels")  # Trainer's loss may pop it
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        kfac.sample_fisher(logits, self.fisher_loss, labels=labels)
+        return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Trainer's ``log``, with K-FAC's metrics (``kfac/steps``, ``kfac/nu``, ...) in each training log."""

@@ -188,6 +188,11 @@ def _refuse_unsupported(
                 f"at ZeRO stage 3, where each layer's gradient is gathered to one gradient worker: use "
                 f'"grad_worker_fraction": "mem-opt"'
             )
+        if kfac_config.fisher == "sampled":
+            problems.append(
+                'kfac.fisher="sampled" at ZeRO stage 3 (the sampled backward pass would run through ZeRO 3\'s '
+                "parameter-gathering autograd functions, outside DeepSpeed's backward; use ZeRO stage 0-2)"
+            )
     if offload:
         problems.append(f"ZeRO {' and '.join(offload)}")
     if cfg.float16_config.enabled and stage == 0:
@@ -203,6 +208,11 @@ def _refuse_unsupported(
         )
     if isinstance(model, PipelineModule):
         problems += _pipeline_problems(cfg, model, mpu)
+        if kfac_config.fisher == "sampled":
+            problems.append(
+                'kfac.fisher="sampled" with pipeline parallelism (train_batch() computes the loss inside the engine, '
+                "where no sampled backward can run)"
+            )
     if mesh_param is not None or "sequence_parallel_size" in config:
         problems.append("sequence/mesh parallelism")
     problems += _refuse_mpu(mpu, stage)

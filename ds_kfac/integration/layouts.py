@@ -15,7 +15,7 @@ from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 from torch import nn
 
 from ..comm import all_to_all_, data_parallel_rank, data_parallel_world
-from ..curvature import KFACBlock, blocks_device
+from ..curvature import CurvatureBlock, blocks_device
 from ..layers import param_shape
 from ..placement import Fragment, GradientLayout, PartitionedGradients
 from ..placement.gradients import Gathered, Workers
@@ -88,12 +88,12 @@ class Zero3Gradients(GradientLayout):
         held = self.span(param, self.rank)
         return LocalSlice(held.start, held.stop - held.start, padded[: held.stop - held.start], param, padded)
 
-    def has_gradients(self, blocks: Sequence[KFACBlock]) -> bool:
+    def has_gradients(self, blocks: Sequence[CurvatureBlock]) -> bool:
         """Whether any slice here is non-zero (DeepSpeed's partitions exist, zeroed, before any backward)."""
         slices = [f.grad for b in blocks for f in map(self.fragment, b.adapter.params()) if f is not None]
         return any(bool(s.any()) for s in slices)
 
-    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+    def gather(self, blocks: Sequence[CurvatureBlock], workers: Workers) -> Gathered:
         """Every block with this rank's slices; the whole matrices of those it is the gradient worker of."""
         fragments = [[self.fragment(p) for p in b.adapter.params()] for b in blocks]
         owner = [workers(b)[0] for b in blocks]
@@ -123,7 +123,7 @@ class Zero3Gradients(GradientLayout):
 
     def dot(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         fragments: Sequence[Sequence[Optional[Fragment]]],
         precond: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
@@ -134,7 +134,7 @@ class Zero3Gradients(GradientLayout):
 
     def write(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         fragments: Sequence[Sequence[Optional[Fragment]]],
         matrices: Sequence[Optional[torch.Tensor]],
     ) -> None:

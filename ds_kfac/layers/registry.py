@@ -19,6 +19,7 @@ from typing import Iterable, Literal
 from torch import nn
 
 from .base import LayerAdapter
+from .batchnorm import BatchNormAdapter
 from .conv2d import Conv2dAdapter
 from .linear import LinearAdapter
 from .tensor_parallel import TensorParallelAdapter, TensorParallelFactors
@@ -51,6 +52,9 @@ def adapter_for(module: nn.Module) -> type[LayerAdapter] | None:
     return None
 
 
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+"""The BatchNorm types ``"batchnorm": "unit-wise"`` registers."""
+
 FROZEN_WEIGHT = (
     "frozen weight with a trainable bias (K-FAC preconditions a layer's weight; the bias trains with the base "
     "optimizer alone)"
@@ -70,11 +74,15 @@ def find_layers(
     conv_factors: Literal["expand", "reduce"] = "expand",
     warn: bool = True,
     tensor_parallel_factors: TensorParallelFactors = "exact",
+    batchnorm: bool = False,
 ) -> tuple[list[tuple[str, LayerAdapter]], list[SkippedLayer]]:
     """Adapters for the model's supported modules, in ``named_modules`` order,
     and the supported modules that were skipped, with why. Conv2d adapters get
     ``conv_factors`` (K-FAC-expand or K-FAC-reduce rows), tensor-parallel ones
-    ``tensor_parallel_factors`` (:mod:`ds_kfac.layers.tensor_parallel`).
+    ``tensor_parallel_factors`` (:mod:`ds_kfac.layers.tensor_parallel`). With
+    ``batchnorm``, ``nn.BatchNorm1d``/``nn.BatchNorm2d`` layers with affine
+    parameters (and their subclasses) are registered too, for the unit-wise
+    natural gradient.
 
     A module is skipped when its name matches one of ``skip_layers`` (``re.search``),
     when its weight is frozen (a frozen bias alone is left out of the layer's
@@ -96,6 +104,8 @@ def find_layers(
     tied: list[SkippedLayer] = []
     for name, module in model.named_modules():
         adapter_cls = adapter_for(module)
+        if adapter_cls is None and batchnorm and isinstance(module, BATCHNORMS) and module.affine:
+            adapter_cls = BatchNormAdapter
         if adapter_cls is None:
             continue
         hit = next((p.pattern for p in patterns if p.search(name)), None)

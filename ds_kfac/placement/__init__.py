@@ -2,7 +2,7 @@
 
 from .distributor import Distributor
 from .gradients import Fragment, GradientLayout, PartitionedGradients, WholeGradients
-from .plan import LayerPlacement, LayerShape, PlacementPlan, lpt, workers_per_layer
+from .plan import LayerPlacement, LayerShape, PlacementPlan, UnitShape, lpt, workers_per_layer
 from .tensor_parallel import TensorParallelGradients, TensorParallelLayers, split_tensor_parallel
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "GradientLayout",
     "LayerPlacement",
     "LayerShape",
+    "UnitShape",
     "PartitionedGradients",
     "PlacementPlan",
     "TensorParallelGradients",

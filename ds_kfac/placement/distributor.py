@@ -10,10 +10,17 @@ precondition and, when not every rank is a gradient worker, broadcast the
 result along rows to the others. Under ZeRO ownership (``mem-opt`` with
 partitioned gradients) a layer's gradient workers are its partition's owners,
 who write their own partitions: no preconditioned gradient moves.
+
+With ``eigenvalue_correction`` every rank that collects factors projects its own
+examples' gradients onto the layer's eigenbasis, so the decompositions go to all
+of them (with fewer gradient workers than ranks: to every rank, not only the
+column), and the step's ``S`` travels with ``A`` and ``G`` (all-reduced, also
+when the factors are reduced to one rank) to the gradient workers, who keep it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -31,13 +38,13 @@ from ..comm import (
     send_,
     unpack_symmetric,
 )
-from ..config import KFACConfig
-from ..curvature import Decomposition, KFACBlock, KroneckerFactor, blocks_device
+from ..config import KFACConfig, KFACConfigError
+from ..curvature import CurvatureBlock, KroneckerFactor, RunningAverage, blocks_device
 from ..curvature.decomposition import Shape, State
 from ..curvature.factors import finite_flags
-from .plan import LayerShape, PlacementPlan
+from .plan import PlacementPlan
 
-Key = tuple[str, str]  # (layer name, "A" or "G")
+Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
 
 SAVER = 0
 """The data-parallel rank that :meth:`Distributor.gather_state` gathers to: DeepSpeed saves from data-parallel rank 0."""
@@ -48,24 +55,26 @@ class Distributor:
 
     def __init__(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         config: KFACConfig,
-        method: Decomposition,
         group: Optional[dist.ProcessGroup],
         bucket_bytes: int,
         holders: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         self.config = config
-        self.method = method
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.world = data_parallel_world(group)
-        shapes = [LayerShape(b.name, b.adapter.a_dim, b.adapter.g_dim) for b in blocks]
-        colocate = method.colocated or config.factor_reduction == "local"
-        self.plan = PlacementPlan(shapes, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
+        # Blocks are their own placement shapes (a name and each side's cost); blocks with one side are colocated.
+        colocate = config.factor_reduction == "local" or any(b.colocated for b in blocks if len(b.sides) > 1)
+        self.plan = PlacementPlan(blocks, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
         reduces = self.world > 1 and config.factor_reduction != "local"
         overlap = reduces and config.overlap_factor_comm
-        self.groups = RankGroups(self.plan.broadcast_sets(), group, overlap) if self.world > 1 else None
+        self.bases_everywhere = config.eigenvalue_correction and reduces and not self.plan.replicated
+        """Whether every rank holds every decomposition: it projects its examples' gradients on the eigenbases."""
+        self._refuse_local_correction()
+        sets = self.plan.broadcast_sets() + ([tuple(range(self.world))] if self.bases_everywhere else [])
+        self.groups = RankGroups(sets, group, overlap) if self.world > 1 else None
         self.rank = self.groups.rank if self.groups else 0
         self._blocks = {b.name: b for b in blocks}
         # Backward reaches the last layers first: buckets fill in reverse registration order.
@@ -74,116 +83,153 @@ class Distributor:
         self.factor_buckets = self._make_factor_buckets(overlap) if reduces else None
         """The static buckets factors are reduced in (``None`` when nothing is reduced)."""
 
+    def _refuse_local_correction(self) -> None:
+        """With ``factor_reduction: "local"`` a layer's owner computes ``S`` from its own examples and sends it
+        nowhere, so the layer must have no other gradient worker."""
+        if not (self.config.eigenvalue_correction and self.config.factor_reduction == "local"):
+            return
+        shared = sorted(name for name, p in self.plan.layers.items() if len(p.grad_workers) > 1)
+        if shared:
+            raise KFACConfigError(
+                f'kfac.eigenvalue_correction with kfac.factor_reduction="local" needs one gradient worker per layer '
+                f'(grad_worker_fraction="mem-opt", no layer split between ZeRO partitions): the owner computes S '
+                f"from its own examples and does not send it, yet layers {shared} have several gradient workers"
+            )
+
     # ----------------------------------------------------------------- roles
-    def collects(self, block: KFACBlock) -> bool:
+    def collects(self, block: CurvatureBlock) -> bool:
         """Whether this rank's hooks compute the layer's factors (``local``: its owner only)."""
         return self.config.factor_reduction != "local" or self.rank == self.plan.layers[block.name].a_worker
 
-    def is_grad_worker(self, block: KFACBlock) -> bool:
+    def is_grad_worker(self, block: CurvatureBlock) -> bool:
         return self.plan.is_grad_worker(block.name, self.rank)
 
-    def grad_workers(self, block: KFACBlock) -> tuple[int, ...]:
+    def grad_workers(self, block: CurvatureBlock) -> tuple[int, ...]:
         """The data-parallel ranks that precondition the layer."""
         return self.plan.layers[block.name].grad_workers
 
+    def state_holders(self, block: CurvatureBlock) -> tuple[int, ...]:
+        """The data-parallel ranks that hold the layer's decomposition: its gradient workers, or every rank
+        (:attr:`bases_everywhere`)."""
+        return tuple(range(self.world)) if self.bases_everywhere else self.grad_workers(block)
+
+    def holds_state(self, block: CurvatureBlock) -> bool:
+        return self.rank in self.state_holders(block)
+
     def worker(self, name: str, side: str) -> int:
-        """The rank that decomposes factor ``side`` ("A" or "G") of layer ``name``."""
+        """The rank that decomposes statistic ``side`` of layer ``name``: the placement's ``a_worker`` for the
+        block's first side, its ``g_worker`` for a second."""
         placement = self.plan.layers[name]
-        return placement.a_worker if side == "A" else placement.g_worker
+        return placement.a_worker if side == self._blocks[name].sides[0] else placement.g_worker
 
     def holds(self, name: str, side: str) -> bool:
         """Whether this rank decomposes factor ``side`` of layer ``name`` (and so tracks its refresh)."""
         return self.rank == self.worker(name, side)
 
-    def keeps(self, block: KFACBlock, side: str) -> bool:
-        """Whether this rank holds the running factor ``side`` of the layer."""
+    def keeps(self, block: CurvatureBlock, side: str) -> bool:
+        """Whether this rank holds the running statistic ``side`` ("A", "G", "S") of the layer."""
         return self.rank in self._keepers(block.name, side)
 
     def _keepers(self, name: str, side: str) -> tuple[int, ...]:
-        """The ranks holding the running factor ``side`` of layer ``name``."""
-        if self.config.factor_reduction == "allreduce":
+        """The ranks holding the running statistic ``side`` of layer ``name`` (``S``: the gradient workers)."""
+        if self.config.factor_reduction == "allreduce" or side not in self._blocks[name].sides:
             return self.plan.layers[name].grad_workers
         return (self.worker(name, side),)
 
-    def counts_in_kl_sum(self, block: KFACBlock) -> bool:
+    def counts_in_kl_sum(self, block: CurvatureBlock) -> bool:
         """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
         return self.plan.replicated or self.rank == self.plan.layers[block.name].a_worker
 
     # ---------------------------------------------------------------- factors
     def _make_factor_buckets(self, overlap: bool) -> OrderedBuckets:
-        """The static buckets every rank reduces factors in: one unit (A, G) per layer."""
-        sizes = [[self._wire_numel(b.a), self._wire_numel(b.g)] for b in self._unit_blocks]
+        """The static buckets every rank reduces factors in: one unit (A, G[, S]) per layer. With ``reduce``,
+        ``A`` and ``G`` go to their decomposing ranks and ``S`` is all-reduced (every gradient worker keeps it)."""
+        sizes = [[self._wire_numel(stat) for stat in b.statistics().values()] for b in self._unit_blocks]
         dsts = None
         if self.config.factor_reduction == "reduce":
-            dsts = [[self._worker_global(b, "A"), self._worker_global(b, "G")] for b in self._unit_blocks]
+            dsts = [
+                [self._worker_global(b, side) if side in b.sides else None for side in b.statistics()]
+                for b in self._unit_blocks
+            ]
         group = self.groups.overlap if overlap else self.group
         device = blocks_device(self._unit_blocks)
         return OrderedBuckets(sizes, self.config.factor_torch_dtype, device, group, self.bucket_bytes, dsts)
 
-    def _wire_numel(self, factor: KroneckerFactor) -> int:
-        return factor.dim * (factor.dim + 1) // 2 if self.config.symmetric_comm else factor.dim * factor.dim
+    def _symmetric(self, stat: RunningAverage) -> bool:
+        """Whether ``stat`` travels as its upper triangle (``symmetric_comm``: the Kronecker factors)."""
+        return self.config.symmetric_comm and isinstance(stat, KroneckerFactor)
 
-    def statistics_ready(self, block: KFACBlock) -> None:
+    def _wire_numel(self, stat: RunningAverage) -> int:
+        rows = stat.shape[0]
+        return rows * (rows + 1) // 2 if self._symmetric(stat) else math.prod(stat.shape)
+
+    def statistics_ready(self, block: CurvatureBlock) -> None:
         """The layer's factors for this step are final (its last backward of the step ran):
         hand them to the reduction, which starts as soon as their bucket and those before it are full."""
         if self.factor_buckets is not None:
             self.factor_buckets.put(self._unit[block.name], self._step_wire(self._unit[block.name]))
 
-    def handed_over(self, block: KFACBlock) -> bool:
+    def handed_over(self, block: CurvatureBlock) -> bool:
         """Whether the layer's factors for this step have already been handed to the reduction."""
         return self.factor_buckets is not None and self.factor_buckets.is_filled(self._unit[block.name])
 
-    def has_statistics(self, block: KFACBlock) -> bool:
+    def has_statistics(self, block: CurvatureBlock) -> bool:
         """Whether this rank gathered factors for the layer this step (held, or handed over)."""
-        return (block.a.pending > 0 and block.g.pending > 0) or self.handed_over(block)
+        stats = block.statistics()
+        return all(stats[side].pending > 0 for side in block.sides) or self.handed_over(block)
 
     def discard_statistics(self) -> None:
         """Drop this step's factors, including any already handed to the reduction."""
         if self.factor_buckets is not None:
             self.factor_buckets.cancel()
         for block in self._blocks.values():
-            block.a.discard_step()
-            block.g.discard_step()
+            for stat in block.statistics().values():
+                stat.discard_step()
 
     def _step_wire(self, unit: int) -> list[torch.Tensor]:
-        """A layer's step factors (A, G) as they travel; zeros where it gathered none this step
-        (such a layer is dropped on every rank after the presence check)."""
+        """A layer's step statistics (A, G[, S]) as they travel; zeros where it gathered none this step
+        (such a layer is dropped on every rank after the presence check; an ``S`` before the layer's first
+        eigenbasis is dropped by :meth:`reduce_factors`)."""
         block = self._unit_blocks[unit]
         out = []
-        for factor in (block.a, block.g):
-            value = factor.take_step()
+        for stat in block.statistics().values():
+            value = stat.take_step()
             if value is None:
                 device = block.adapter.module.weight.device
-                out.append(torch.zeros(self._wire_numel(factor), dtype=self.config.factor_torch_dtype, device=device))
+                out.append(torch.zeros(self._wire_numel(stat), dtype=self.config.factor_torch_dtype, device=device))
             else:
-                out.append(self._to_wire(value))
+                out.append(self._to_wire(value, stat))
         return out
 
-    def reduce_factors(self, blocks: Sequence[KFACBlock]) -> list[tuple[KFACBlock, str, Optional[torch.Tensor]]]:
-        """This step's factors of ``blocks``, averaged over ranks where they are kept: per layer and
-        side ("A", "G") the mean factor, or ``None`` where this rank does not keep it. Values may be
-        views into the reduction's buffers (fold them in before the next step's reduction)."""
-        sides = [(b, side, f) for b in blocks for side, f in (("A", b.a), ("G", b.g))]
+    def reduce_factors(
+        self, blocks: Sequence[CurvatureBlock]
+    ) -> list[tuple[CurvatureBlock, str, Optional[torch.Tensor]]]:
+        """This step's statistics of ``blocks``, averaged over ranks where they are kept: per layer and
+        side ("A", "G", "S") the mean, or ``None`` where this rank does not keep it. Values may be
+        views into the reduction's buffers (fold them in before the next step's reduction).
+
+        ``S`` is left out for a layer without a decomposition: no rank had an eigenbasis to project on
+        (every rank that collects holds the decomposition, and none changes between the hooks and here)."""
+        sides = [(b, side, stat) for b in blocks for side, stat in b.statistics().items()]
         if self.factor_buckets is None:
-            return [(b, side, f.take_step()) for b, side, f in sides]
-        wire = self.factor_buckets.finish(self._step_wire)
-        return [
-            (
-                b,
-                side,
-                self._from_wire(wire[self._unit[b.name]][0 if side == "A" else 1], f) if self.keeps(b, side) else None,
-            )
-            for b, side, f in sides
-        ]
+            reduced = [(b, side, stat.take_step()) for b, side, stat in sides]
+        else:
+            wire = self.factor_buckets.finish(self._step_wire)
+            reduced = [
+                (b, side, self._from_wire(wire[self._unit[b.name]][i], stat) if self.keeps(b, side) else None)
+                for b in blocks
+                for i, (side, stat) in enumerate(b.statistics().items())
+            ]
+        return [(b, side, value) for b, side, value in reduced if side != "S" or b.state is not None]
 
     @staticmethod
-    def fold_factors(reduced: Sequence[tuple[KFACBlock, str, Optional[torch.Tensor]]], decay: float) -> list[str]:
-        """Fold reduced factors into the running averages (dropping those this rank does not keep).
-        A factor whose result is not finite in its storage dtype keeps its previous value. Returns
-        those factors, as ``"layer/A"`` or ``"layer/G"`` (one host sync for all)."""
+    def fold_factors(reduced: Sequence[tuple[CurvatureBlock, str, Optional[torch.Tensor]]], decay: float) -> list[str]:
+        """Fold reduced statistics into the running averages (dropping those this rank does not keep).
+        A statistic whose result is not finite in its storage dtype keeps its previous value. Returns
+        those statistics, as ``"layer/A"``, ``"layer/G"`` or ``"layer/S"`` (one host sync for all)."""
         blended = []
         for block, side, value in reduced:
-            factor = block.a if side == "A" else block.g
+            factor = block.statistics()[side]
             if value is None:
                 factor.value = None
             else:
@@ -194,33 +240,38 @@ class Distributor:
                 factor.value = value
         return [name for (name, _, _), good in zip(blended, ok) if not good]
 
-    def _worker_global(self, block: KFACBlock, side: str) -> int:
+    def _worker_global(self, block: CurvatureBlock, side: str) -> int:
         return self.groups.to_global(self.worker(block.name, side))
 
-    def _to_wire(self, value: torch.Tensor) -> torch.Tensor:
-        """Factors travel in ``factor_dtype``, upper triangles only with ``symmetric_comm``."""
+    def _to_wire(self, value: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
+        """Statistics travel in ``factor_dtype``, factors as upper triangles only with ``symmetric_comm``."""
         value = value.to(self.config.factor_torch_dtype)
-        return pack_symmetric(value) if self.config.symmetric_comm else value
+        return pack_symmetric(value) if self._symmetric(stat) else value
 
-    def _from_wire(self, wire: torch.Tensor, factor: KroneckerFactor) -> torch.Tensor:
-        """The factor matrix of its wire form (a view when it travelled whole and in its arithmetic dtype)."""
-        if self.config.symmetric_comm:
-            return unpack_symmetric(wire, factor.dim)
-        return wire.view(factor.dim, factor.dim)
+    def _from_wire(self, wire: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
+        """The statistic's matrix of its wire form (a view when it travelled whole and in its arithmetic dtype)."""
+        if self._symmetric(stat):
+            return unpack_symmetric(wire, stat.shape[0])
+        return wire.view(stat.shape)
 
     # --------------------------------------------------------- decompositions
     def decompose(
-        self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
-    ) -> tuple[list[KFACBlock], list[State]]:
+        self, blocks: Sequence[CurvatureBlock], damping: float, due: Optional[set[Key]] = None
+    ) -> tuple[list[CurvatureBlock], list[State]]:
         """Decompose the factors assigned to this rank and share them within each layer's column:
         :meth:`compute_sides` then :meth:`share_sides`."""
         return self.share_sides(blocks, *self.compute_sides(blocks, damping, due))
 
     def compute_sides(
-        self, blocks: Sequence[KFACBlock], damping: float, due: Optional[set[Key]] = None
+        self,
+        blocks: Sequence[CurvatureBlock],
+        damping: float,
+        due: Optional[set[Key]] = None,
+        factors: Optional[dict[str, dict[str, Optional[torch.Tensor]]]] = None,
     ) -> tuple[dict[Key, State], dict[str, set[str]]]:
         """This rank's decompositions: the sides of ``blocks`` assigned to it, and which sides each
-        layer refreshes. Local work only (no communication), so it can run in the background.
+        layer refreshes. Local work only (no communication), so it can run in the background, decomposing
+        ``factors`` (per layer, each side's statistic, taken when it started; default: the running ones now).
 
         ``due`` limits the work to those (layer, side) pairs (adaptive refresh);
         a layer without a decomposition yet, or whose method decomposes both sides
@@ -231,49 +282,45 @@ class Distributor:
         needed = {b.name: self._sides_to_refresh(b, due) for b in blocks}
         sides: dict[Key, State] = {}
         for b in blocks:
-            placement = self.plan.layers[b.name]
-            do_a = "A" in needed[b.name] and self.rank == placement.a_worker
-            do_g = "G" in needed[b.name] and self.rank == placement.g_worker
-            if not (do_a or do_g):
+            mine = [side for side in b.sides if side in needed[b.name] and self.rank == self.worker(b.name, side)]
+            if not mine:
                 continue
-            a = b.a.value if do_a else None
-            g = b.g.value if do_g else None
-            if (do_a and a is None) or (do_g and g is None):
-                a_side = g_side = None
-            else:
-                a_side, g_side = self.method.compute(a, g, damping, dtype)
-            if do_a:
-                sides[(b.name, "A")] = a_side if a_side is not None else self._nan_side(b, "A")
-            if do_g:
-                sides[(b.name, "G")] = g_side if g_side is not None else self._nan_side(b, "G")
+            held = factors[b.name] if factors is not None else {side: b.statistics()[side].value for side in b.sides}
+            values = {side: held[side] for side in mine}
+            computed = {} if any(v is None for v in values.values()) else b.compute_sides(values, damping, dtype)
+            for side in mine:
+                state = computed.get(side)
+                sides[(b.name, side)] = state if state is not None else self._nan_side(b, side)
         return sides, needed
 
     def share_sides(
-        self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
-    ) -> tuple[list[KFACBlock], list[State]]:
-        """Share :meth:`compute_sides`'s results within each layer's column; return the candidate
-        states of the layers this rank is a gradient worker of, the sides not refreshed taken from
+        self, blocks: Sequence[CurvatureBlock], sides: dict[Key, State], needed: dict[str, set[str]]
+    ) -> tuple[list[CurvatureBlock], list[State]]:
+        """Share :meth:`compute_sides`'s results with each layer's :meth:`state_holders`; return the candidate
+        states of the layers this rank holds, the sides not refreshed taken from
         the current state (the caller adopts them after a finiteness check)."""
         if self.world > 1:
             self._share_decompositions(blocks, sides, needed)
         chosen, states = [], []
         for b in blocks:
-            if not (needed[b.name] and self.is_grad_worker(b)):
+            if not (needed[b.name] and self.holds_state(b)):
                 continue
-            split = len(self._side_shapes(b, "A"))
-            old_a, old_g = (b.state[:split], b.state[split:]) if b.state is not None else (None, None)
+            old, at = {}, 0
+            for side, shapes in b.side_shapes().items():
+                old[side] = b.state[at : at + len(shapes)] if b.state is not None else None
+                at += len(shapes)
             chosen.append(b)
-            states.append(sides.get((b.name, "A"), old_a) + sides.get((b.name, "G"), old_g))
+            states.append(sum((sides.get((b.name, side), old[side]) for side in b.sides), ()))
         return chosen, states
 
-    def _sides_to_refresh(self, block: KFACBlock, due: Optional[set[Key]]) -> set[str]:
+    def _sides_to_refresh(self, block: CurvatureBlock, due: Optional[set[Key]]) -> set[str]:
         """Which sides of a layer to decompose now. ``block.state is None`` is the same on all
-        of the layer's gradient workers (they adopt identical candidates), so they agree."""
+        of the layer's state holders (they adopt identical candidates), so they agree."""
         if due is None:
-            return {"A", "G"}
-        wanted = {side for side in ("A", "G") if (block.name, side) in due}
-        if wanted and (self.method.colocated or (self.is_grad_worker(block) and block.state is None)):
-            return {"A", "G"}
+            return set(block.sides)
+        wanted = {side for side in block.sides if (block.name, side) in due}
+        if wanted and (block.colocated or (self.holds_state(block) and block.state is None)):
+            return set(block.sides)
         return wanted
 
     def agree_intervals(self, due: Sequence[Key], decide: Callable[[Key, torch.Tensor], int]) -> list[int]:
@@ -281,8 +328,7 @@ class Distributor:
         all-reduce gives every rank the same decisions."""
         mine = []
         for name, side in due:
-            block = self._blocks[name]
-            factor = block.a if side == "A" else block.g
+            factor = self._blocks[name].statistics()[side]
             mine.append(
                 decide((name, side), factor.value) if self.holds(name, side) and factor.value is not None else 0
             )
@@ -291,34 +337,28 @@ class Distributor:
             all_reduce_sum_([agreed], self.group, self.bucket_bytes)
         return [max(1, int(v)) for v in agreed.tolist()]
 
-    def _side_shapes(self, block: KFACBlock, side: str) -> list[Shape]:
-        """Shapes of the tensors of a layer's ``side`` ("A" or "G") under the compute method."""
-        a_shapes, g_shapes = self.method.side_shapes(block.adapter.a_dim, block.adapter.g_dim)
-        return a_shapes if side == "A" else g_shapes
-
-    def _nan_side(self, block: KFACBlock, side: str) -> State:
+    def _nan_side(self, block: CurvatureBlock, side: str) -> State:
         device = block.adapter.module.weight.device
         dtype = self.config.inv_torch_dtype
-        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in self._side_shapes(block, side))
+        return tuple(torch.full(s, float("nan"), dtype=dtype, device=device) for s in block.side_shapes()[side])
 
     def _share_decompositions(
-        self, blocks: Sequence[KFACBlock], sides: dict[Key, State], needed: dict[str, set[str]]
+        self, blocks: Sequence[CurvatureBlock], sides: dict[Key, State], needed: dict[str, set[str]]
     ) -> None:
-        """Broadcast each side from its decomposing rank to the layer's other gradient workers."""
+        """Broadcast each side from its decomposing rank to the layer's other state holders."""
         tensors, srcs, groups = [], [], []
         for b in blocks:
-            workers = self.plan.layers[b.name].grad_workers
+            workers = self.state_holders(b)
             if self.rank not in workers or len(workers) == 1:
                 continue
-            for side in ("A", "G"):
+            for side in b.sides:
                 if side not in needed[b.name]:
                     continue
                 key = (b.name, side)
                 if key not in sides:
                     device = b.adapter.module.weight.device
                     sides[key] = tuple(
-                        torch.empty(s, dtype=self.config.inv_torch_dtype, device=device)
-                        for s in self._side_shapes(b, side)
+                        torch.empty(s, dtype=self.config.inv_torch_dtype, device=device) for s in b.side_shapes()[side]
                     )
                 tensors.extend(sides[key])
                 srcs.extend([self._worker_global(b, side)] * len(sides[key]))
@@ -327,7 +367,7 @@ class Distributor:
 
     # --------------------------------------------------- preconditioned grads
     def share_preconditioned(
-        self, blocks: Sequence[KFACBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
+        self, blocks: Sequence[CurvatureBlock], results: list[Optional[torch.Tensor]], grads: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Give every rank every layer's result when every rank holds every gradient: gradient workers
         broadcast theirs along rows (in the gradient's dtype). Nothing moves when every rank is a
@@ -376,17 +416,16 @@ class Distributor:
         """Layer ``name``'s saved entries ``keys``, each with the rank it is taken from: the saver
         where it holds the entry, else the plan's designated rank."""
         p, block = self.plan.layers[name], self._blocks[name]
-        a, g = block.adapter.a_dim, block.adapter.g_dim
         factor, inv = self.config.factor_torch_dtype, self.config.inv_torch_dtype
-        a_side, g_side = self.method.side_shapes(a, g)
         # key: (ranks holding it, designated rank, its tensors' shapes, their dtype)
         where = {
-            "A": (self._keepers(name, "A"), p.a_worker, [(a, a)], factor),
-            "G": (self._keepers(name, "G"), p.g_worker, [(g, g)], factor),
-            "state": (p.grad_workers, p.a_worker, a_side + g_side, inv),
-            "A_refs": ((p.a_worker,), p.a_worker, [(a, a)] * 2, factor),
-            "G_refs": ((p.g_worker,), p.g_worker, [(g, g)] * 2, factor),
+            "state": (self.state_holders(block), p.a_worker, [s for v in block.side_shapes().values() for s in v], inv)
         }
+        for key, stat in block.statistics().items():
+            designated = self.worker(name, key) if key in block.sides else p.a_worker
+            where[key] = (self._keepers(name, key), designated, [stat.shape], factor)
+            if key in block.sides:  # adaptive refresh's references, on the decomposing rank
+                where[f"{key}_refs"] = ((designated,), designated, [stat.shape] * 2, factor)
         entries = []
         for key in keys:
             holders, designated, shapes, dtype = where[key]
@@ -396,7 +435,8 @@ class Distributor:
 
 @dataclass(frozen=True)
 class _StateEntry:
-    """One entry of a layer's saved state (``key``: ``A``, ``G``, ``state``, ``A_refs`` or ``G_refs``):
+    """One entry of a layer's saved state (``key``: a statistic's name (``A``, ``G``, ``S``, ``F``), ``state``, or a
+    side's adaptive-refresh references ``<side>_refs``):
     the rank it is taken from, and the shapes and dtype of its tensors."""
 
     name: str
@@ -413,11 +453,11 @@ class _StateEntry:
 
     def value(self, tensors: list[Optional[torch.Tensor]]) -> Any:
         """The inverse of :meth:`tensors`: a factor, a decomposition (a list, or ``None``), or the references."""
-        if self.key in ("A", "G"):
-            return tensors[0]
         if self.key == "state":
             return None if tensors[0] is None else tensors
-        return tensors
+        if self.key.endswith("_refs"):
+            return tensors
+        return tensors[0]
 
 
 def _saved(t: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm import all_reduce_sum_, data_parallel_rank, data_parallel_world
-from ..curvature import KFACBlock, blocks_device
+from ..curvature import CurvatureBlock, blocks_device
 
-Workers = Callable[[KFACBlock], tuple[int, ...]]
+Workers = Callable[[CurvatureBlock], tuple[int, ...]]
 """The data-parallel ranks that precondition a layer (its gradient workers under the placement plan)."""
 
 
@@ -69,7 +69,7 @@ class Fragment:
         self.grad.copy_(values.reshape(self.grad.shape))
 
 
-Gathered = tuple[list[KFACBlock], list[Optional[torch.Tensor]], list[list[Optional[Fragment]]]]
+Gathered = tuple[list[CurvatureBlock], list[Optional[torch.Tensor]], list[list[Optional[Fragment]]]]
 """What :meth:`GradientLayout.gather` returns: blocks, their whole gradient matrices (``None`` where this rank
 does not precondition the block) and this rank's fragments of each."""
 
@@ -92,25 +92,25 @@ class GradientLayout(ABC):
         """This rank's fragment of ``param``'s reduced gradient, or ``None``."""
 
     @abstractmethod
-    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+    def gather(self, blocks: Sequence[CurvatureBlock], workers: Workers) -> Gathered:
         """The blocks whose gradient this rank holds, their whole gradient matrices where it preconditions them,
         and its fragments. ``workers`` gives each layer's gradient workers (collective where fragments move)."""
 
-    def block_holders(self, blocks: Sequence[KFACBlock]) -> Optional[dict[str, tuple[int, ...]]]:
+    def block_holders(self, blocks: Sequence[CurvatureBlock]) -> Optional[dict[str, tuple[int, ...]]]:
         """The ranks whose partitions hold each layer's gradient, which then are its gradient workers when
         fewer than all ranks are (``None``: the placement plan chooses them freely)."""
         return None
 
-    def counts(self, block: KFACBlock) -> bool:
+    def counts(self, block: CurvatureBlock) -> bool:
         """Whether this rank's part of the KL-clip sum over the model-parallel group counts the layer (where
         several ranks of the group hold copies of it, one does)."""
         return True
 
-    def has_gradients(self, blocks: Sequence[KFACBlock]) -> bool:
+    def has_gradients(self, blocks: Sequence[CurvatureBlock]) -> bool:
         """Whether this rank holds a gradient for any of the blocks' parameters (no communication)."""
         return any(self.fragment(p) is not None for b in blocks for p in b.adapter.params())
 
-    def _whole_here(self, block: KFACBlock, frags: Optional[Sequence[Optional[Fragment]]] = None) -> bool:
+    def _whole_here(self, block: CurvatureBlock, frags: Optional[Sequence[Optional[Fragment]]] = None) -> bool:
         """Whether this rank's fragments cover all of the layer's gradient."""
         params = block.adapter.params()
         frags = [self.fragment(p) for p in params] if frags is None else frags
@@ -118,7 +118,7 @@ class GradientLayout(ABC):
 
     def dot(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         fragments: Sequence[Sequence[Optional[Fragment]]],
         precond: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
@@ -139,7 +139,7 @@ class GradientLayout(ABC):
 
     def write(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         fragments: Sequence[Sequence[Optional[Fragment]]],
         matrices: Sequence[torch.Tensor],
     ) -> None:
@@ -159,7 +159,7 @@ class WholeGradients(GradientLayout):
             return None
         return Fragment(0, param.numel(), param.grad)
 
-    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+    def gather(self, blocks: Sequence[CurvatureBlock], workers: Workers) -> Gathered:
         chosen, matrices, fragments = [], [], []
         for block in blocks:
             frags = [self.fragment(p) for p in block.adapter.params()]
@@ -197,7 +197,7 @@ class PartitionedGradients(GradientLayout):
     def holds(self, param: nn.Parameter) -> bool:
         """Whether this rank's partition holds any of ``param``'s gradient (known before any backward)."""
 
-    def block_holders(self, blocks: Sequence[KFACBlock]) -> dict[str, tuple[int, ...]]:
+    def block_holders(self, blocks: Sequence[CurvatureBlock]) -> dict[str, tuple[int, ...]]:
         """One all-reduce of a rank x parameter table, computed once. A layer is split when no rank is
         its only holder of every parameter (the partitions cover each gradient exactly once)."""
         if self.holders is None:
@@ -216,7 +216,7 @@ class PartitionedGradients(GradientLayout):
                 self.split.append(len(set(mine)) != 1 or len(mine[0]) != 1)
         return self.holders
 
-    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+    def gather(self, blocks: Sequence[CurvatureBlock], workers: Workers) -> Gathered:
         self.block_holders(blocks)
         frags = [[self.fragment(p) for p in b.adapter.params()] for b in blocks]
         assembled = self._assemble(
@@ -238,7 +238,7 @@ class PartitionedGradients(GradientLayout):
         return chosen, matrices, fragments
 
     def _assemble(
-        self, blocks: Sequence[KFACBlock], frags: Sequence[Sequence[Optional[Fragment]]]
+        self, blocks: Sequence[CurvatureBlock], frags: Sequence[Sequence[Optional[Fragment]]]
     ) -> dict[str, list[torch.Tensor]]:
         """Whole fp32 gradients of split blocks: each rank adds its fragments into zeros, then one all-reduce."""
         if not blocks:

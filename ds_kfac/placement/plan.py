@@ -16,6 +16,9 @@ communication), and never changes. It follows KAISA's layout:
   ``dim^2`` (``memory``). ``A`` and ``G`` of a layer may land on different ranks,
   except with ``compute_method="inverse"`` (whose damping couples them) and
   ``factor_reduction="local"`` (one owner computes both), where they share one.
+  A block with one statistic (unit-wise BatchNorm: ``units`` small matrices of
+  size ``size``, cost ``units * size^3`` or ``units * size^2``) has one rank for it
+  (its ``a_worker``, also named as its ``g_worker``).
 * Under ZeRO 1/2 with ``n < world`` the gradient already lies partitioned, so
   columns follow ownership (the gradient layout's holders) instead of LPT: a
   layer's gradient workers are the column(s) of the rank(s) whose partition
@@ -36,9 +39,30 @@ PRESET_FRACTIONS = {"comm-opt": 1.0, "hybrid-opt": 0.5}
 
 @dataclass(frozen=True)
 class LayerShape:
+    """A Kronecker-factored layer: factors of sizes ``a_dim`` and ``g_dim``."""
+
     name: str
     a_dim: int
     g_dim: int
+
+    def costs(self, power: int) -> tuple[float, ...]:
+        """The decomposition cost of each factor: ``dim^power``."""
+        return float(self.a_dim) ** power, float(self.g_dim) ** power
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """A block of ``units`` independent ``size x size`` matrices decomposed together (unit-wise BatchNorm)."""
+
+    name: str
+    units: int
+    size: int
+
+    def costs(self, power: int) -> tuple[float, ...]:
+        return (self.units * float(self.size) ** power,)
+
+
+Shape = Union[LayerShape, UnitShape]
 
 
 @dataclass(frozen=True)
@@ -88,7 +112,7 @@ class PlacementPlan:
 
     def __init__(
         self,
-        layers: Sequence[LayerShape],
+        layers: Sequence[Shape],
         world: int,
         grad_worker_fraction: Union[str, float] = "comm-opt",
         assignment: str = "compute",
@@ -104,27 +128,25 @@ class PlacementPlan:
             self._place_on_holders(layers, holders, assignment, colocate)
             return
         power = 3 if assignment == "compute" else 2
-        a_cost = [float(s.a_dim) ** power for s in layers]
-        g_cost = [float(s.g_dim) ** power for s in layers]
-        column_of, _ = lpt([a + g for a, g in zip(a_cost, g_cost)], self.columns)
+        # Per layer, the cost of each item placed on its own rank: one for a colocated or one-statistic block.
+        items_of = [c if len(c) > 1 and not colocate else (sum(c),) for c in (s.costs(power) for s in layers)]
+        column_of, _ = lpt([sum(c) for c in items_of], self.columns)
         self.rank_loads = [0.0] * world
         self.layers: dict[str, LayerPlacement] = {}
         for k in range(self.columns):
             members = list(self._column_members(k))
             mine = [i for i, c in enumerate(column_of) if c == k]
-            if colocate:
-                items = [a_cost[i] + g_cost[i] for i in mine]
-            else:
-                items = [c for i in mine for c in (a_cost[i], g_cost[i])]
-            where, loads = lpt(items, self.n)
+            where, loads = lpt([c for i in mine for c in items_of[i]], self.n)
             for m, load in zip(members, loads):
                 self.rank_loads[m] = load
-            for j, i in enumerate(mine):
-                a, g = (where[j], where[j]) if colocate else (where[2 * j], where[2 * j + 1])
+            at = 0
+            for i in mine:
+                a, g = where[at], where[at + len(items_of[i]) - 1]
+                at += len(items_of[i])
                 self.layers[layers[i].name] = LayerPlacement(members[a], members[g], k, tuple(members))
 
     def _place_on_holders(
-        self, layers: Sequence[LayerShape], holders: dict[str, tuple[int, ...]], assignment: str, colocate: bool
+        self, layers: Sequence[Shape], holders: dict[str, tuple[int, ...]], assignment: str, colocate: bool
     ) -> None:
         """ZeRO 1/2 ownership: a layer's gradient workers are the columns of the ranks whose
         partitions hold its gradient (with ``mem-opt`` just those ranks: one, or two or more
@@ -141,10 +163,11 @@ class PlacementPlan:
         power = 3 if assignment == "compute" else 2
         items = []  # (cost, layer index, sides)
         for i, s in enumerate(layers):
-            if colocate:
-                items.append((float(s.a_dim) ** power + float(s.g_dim) ** power, i, "AG"))
+            costs = s.costs(power)
+            if colocate or len(costs) == 1:
+                items.append((sum(costs), i, "AG"))
             else:
-                items += [(float(s.a_dim) ** power, i, "A"), (float(s.g_dim) ** power, i, "G")]
+                items += [(costs[0], i, "A"), (costs[1], i, "G")]
         self.rank_loads = [0.0] * self.world
         workers: dict[tuple[int, str], int] = {}
         for cost, i, sides in sorted(items, key=lambda item: (-item[0], item[1], item[2])):

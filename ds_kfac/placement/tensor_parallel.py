@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import gather_, scatter_
-from ..curvature import KFACBlock
+from ..curvature import CurvatureBlock
 from ..layers import LayerAdapter, TensorParallelAdapter
 from .gradients import Fragment, Gathered, WholeGradients, Workers
 from .plan import lpt
@@ -77,14 +77,14 @@ class TensorParallelGradients(WholeGradients):
         self._active: list[tuple[TensorParallelAdapter, list[Fragment], torch.Tensor]] = []
         """The exact layers of the step in progress, with this rank's fragments and piece of each."""
 
-    def counts(self, block: KFACBlock) -> bool:
+    def counts(self, block: CurvatureBlock) -> bool:
         """Tensor-parallel layers count on the rank preconditioning them; replicated layers on group rank 0."""
         return isinstance(block.adapter, TensorParallelAdapter) or self.rank == 0
 
-    def _is_exact(self, block: KFACBlock) -> bool:
+    def _is_exact(self, block: CurvatureBlock) -> bool:
         return isinstance(block.adapter, TensorParallelAdapter) and block.adapter.exact
 
-    def gather(self, blocks: Sequence[KFACBlock], workers: Workers) -> Gathered:
+    def gather(self, blocks: Sequence[CurvatureBlock], workers: Workers) -> Gathered:
         chosen, matrices, fragments = super().gather([b for b in blocks if not self._is_exact(b)], workers)
         owned = {id(b.adapter): b for b in blocks}
         self._active = []
@@ -103,7 +103,7 @@ class TensorParallelGradients(WholeGradients):
 
     def write(
         self,
-        blocks: Sequence[KFACBlock],
+        blocks: Sequence[CurvatureBlock],
         fragments: Sequence[Sequence[Optional[Fragment]]],
         matrices: Sequence[torch.Tensor],
     ) -> None:

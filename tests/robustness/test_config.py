@@ -148,6 +148,9 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "kl_clip": ["0.01", True],
     "compute_method": [True, 1, ["eigen"]],
     "eigenvalue_outer_product": ["yes", 1],
+    "eigenvalue_correction": ["yes", 1, None],
+    "fisher": [True, None, "true_fisher", 1],
+    "batchnorm": [True, None, "unitwise", 1],
     "grad_worker_fraction": [True, "0.5", None],
     "factor_reduction": [None, 0],
     "assignment": [1, None],
@@ -173,6 +176,9 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "skip_layers": [(["a", "b"], ["a", "b"])],
     "enabled": [(False, False)],
     "factor_micro_batches": [(4, 4), (4.0, 4), (None, None)],
+    "eigenvalue_correction": [(True, True), (False, False)],
+    "fisher": [("sampled", "sampled"), ("empirical", "empirical")],
+    "batchnorm": [("unit-wise", "unit-wise"), ("none", "none")],
 }
 
 

@@ -8,7 +8,7 @@ scaler), ``nan_step`` (a NaN loss in that step), ``skip_steps`` (data steps
 left out), ``save`` / ``load`` (checkpoint dir, step to save after),
 ``expect_error`` (record the exception's message instead of failing), ``freeze`` (names of parameters
 set to ``requires_grad=False`` before ``initialize``), ``zero_init`` (build the model under
-``deepspeed.zero.Init``), ``load_consolidated`` (a checkpoint dir saved with tag ``ckpt`` at any world size: the
+``deepspeed.zero.Init``), ``model`` (a name of ``problem.MODELS``; default ``"mlp"``), ``load_consolidated`` (a checkpoint dir saved with tag ``ckpt`` at any world size: the
 weights through DeepSpeed's ``zero_to_fp32``, K-FAC's state from its file). Parameters are read whole at every
 ZeRO stage (gathered under stage 3).
 After the scenarios, ``ds_kfac.shutdown()`` ends the job; ``<out>/exit_rank<r>.json`` records what it left
@@ -73,7 +73,7 @@ def train(scenario: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = config(scenario, world)
     with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=scenario.get("zero_init", False)):
-        model = problem.make_model()
+        model = problem.MODELS[scenario.get("model", "mlp")]()
     for name, param in model.named_parameters():
         param.requires_grad_(name not in scenario.get("freeze", ()))
     consolidated = scenario.get("load_consolidated")
@@ -100,7 +100,10 @@ def train(scenario: dict) -> dict:
         before = dict(STATS)
         for m in range(ga):
             rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
-            loss = problem.loss_fn(engine(x[rows].to(engine.device, dtype)), y[rows].to(engine.device))
+            out = engine(x[rows].to(engine.device, dtype))
+            if kfac is not None:  # does nothing unless the config says fisher: "sampled"
+                kfac.sample_fisher(out, "mse", generator=problem.sampling_generator(step, m, rank))
+            loss = problem.loss_fn(out, y[rows].to(engine.device))
             if step == scenario.get("nan_step"):
                 loss = loss * float("nan")
             engine.backward(loss)

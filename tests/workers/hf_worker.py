@@ -56,7 +56,7 @@ def rows(step: int, micro_step: int, world: int, rank: int) -> slice:
     return slice(batch * MICRO, (batch + 1) * MICRO)
 
 
-def trainer_config(stage: int) -> dict:
+def trainer_config(stage: int, fisher: str = "empirical") -> dict:
     return {
         "bf16": {"enabled": "auto"},
         "train_micro_batch_size_per_gpu": "auto",
@@ -65,14 +65,14 @@ def trainer_config(stage: int) -> dict:
         "gradient_clipping": "auto",
         "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}},
         "zero_optimization": {"stage": stage},
-        "kfac": KFAC,
+        "kfac": {**KFAC, "fisher": fisher},
     }
 
 
-def direct_config(stage: int, world: int, bf16: bool) -> dict:
+def direct_config(stage: int, world: int, bf16: bool, fisher: str) -> dict:
     """:func:`trainer_config` with the values Trainer puts in place of ``"auto"``."""
     return {
-        **trainer_config(stage),
+        **trainer_config(stage, fisher),
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GA,
@@ -87,15 +87,16 @@ def run_trainer(scenario: dict, world: int) -> dict:
 
     from ds_kfac.hf import KFACTrainer
 
-    resume, bf16 = scenario.get("resume"), scenario.get("bf16", False)
-    out_dir = Path(scenario["dir"]) / ("resumed" if resume else "bf16" if bf16 else "trainer")
+    resume, bf16, fisher = scenario.get("resume"), scenario.get("bf16", False), scenario.get("fisher", "empirical")
+    name = "resumed" if resume else "bf16" if bf16 else "trainer" if fisher == "empirical" else "sampled"
+    out_dir = Path(scenario["dir"]) / name
     if bf16:
         # transformers refuses bf16 on a CPU-only machine unless use_cpu=True, which turns DeepSpeed off in
         # accelerate: let it believe the device has bf16 (DeepSpeed's CPU engine has).
         monkeypatch_bf16_check()
     args = TrainingArguments(
         output_dir=str(out_dir),
-        deepspeed=trainer_config(scenario["stage"]),
+        deepspeed=trainer_config(scenario["stage"], fisher),
         max_steps=scenario["steps"],
         per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GA,
@@ -111,7 +112,9 @@ def run_trainer(scenario: dict, world: int) -> dict:
         disable_tqdm=True,
         seed=0,
     )
-    trainer = KFACTrainer(model=Regression(), args=args, train_dataset=dataset(scenario["steps"], world))
+    trainer = KFACTrainer(
+        model=Regression(), args=args, train_dataset=dataset(scenario["steps"], world), fisher_loss="mse"
+    )
     checkpoint = str(Path(scenario["dir"]) / "trainer" / f"checkpoint-{resume}") if resume else None
     trainer.train(resume_from_checkpoint=checkpoint)
     engine = trainer.model_wrapped
@@ -145,9 +148,9 @@ def monkeypatch_bf16_check() -> None:
 
 
 def run_direct(scenario: dict, world: int) -> dict:
-    rank, bf16 = dist.get_rank(), scenario.get("bf16", False)
+    rank, bf16, fisher = dist.get_rank(), scenario.get("bf16", False), scenario.get("fisher", "empirical")
     model = Regression()
-    config = direct_config(scenario["stage"], world, bf16)
+    config = direct_config(scenario["stage"], world, bf16, fisher)
     engine, *_ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
     dtype = torch.bfloat16 if bf16 else torch.float32  # Trainer casts float inputs to DeepSpeed's dtype
     data = dataset(scenario["steps"], world)
@@ -156,7 +159,9 @@ def run_direct(scenario: dict, world: int) -> dict:
             batch = data[rows(step, m, world, rank)]
             x = torch.stack([d["x"] for d in batch]).to(dtype)
             y = torch.stack([d["labels"] for d in batch]).to(dtype)
-            engine.backward(engine(x, y)["loss"])
+            out = engine(x, y)
+            engine.kfac.sample_fisher(out["logits"], "mse")  # nothing unless fisher is "sampled"
+            engine.backward(out["loss"])
             engine.step()
     return {
         "params": [p.detach().float().cpu().clone() for p in model.parameters()],

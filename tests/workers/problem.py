@@ -40,7 +40,13 @@ class SharedLayer(nn.Module):
         return self.last(h)
 
 
-MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer}
+def make_batchnorm_model() -> nn.Module:
+    """:func:`make_model` with a BatchNorm1d after its first layer (unit-wise BatchNorm)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, OUT))
+
+
+MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer, "batchnorm": make_batchnorm_model}
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -57,6 +63,12 @@ def global_batch(step: int, size: int, model: nn.Module | None = None) -> tuple[
     first, last = (model[0].in_features, model[-1].out_features) if isinstance(model, nn.Sequential) else (IN, OUT)
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(size, first, generator=g), torch.randn(size, last, generator=g)
+
+
+def sampling_generator(step: int, micro_batch: int, rank: int) -> torch.Generator:
+    """The sampled Fisher's random numbers for a rank's micro-batch of a step: the same in a distributed run and in
+    its single-process reference, which runs each rank's micro-batches one by one."""
+    return torch.Generator().manual_seed(100_000 * step + 100 * micro_batch + rank)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""The sampled Fisher's loss: targets drawn from the model's own predictive distribution (SP-NGD's ``F_1mc``).
+
+The empirical Fisher takes ``G`` from the gradients of the training loss, whose targets are the data's. The
+Fisher proper is an expectation over targets drawn from the model's predictive distribution; one sample per
+output (one Monte Carlo sample) estimates it without bias. This module builds that sample's loss; the
+preconditioner runs its backward (docs/conventions.md, "Sampled Fisher").
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+FisherLoss = Literal["cross_entropy", "mse"]
+LOSSES = ("cross_entropy", "mse")
+
+
+def sampled_loss(
+    output: torch.Tensor,
+    loss: FisherLoss,
+    generator: torch.Generator,
+    labels: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """The loss of ``output`` against targets sampled from the distribution it predicts, reduced as the training
+    loss is (a mean), computed in float32 or better.
+
+    ``cross_entropy``: ``output`` holds logits over its last dimension; each position's target is drawn from
+    ``softmax(logits)``, and the loss is ``F.cross_entropy``'s mean over the positions. Positions whose ``labels``
+    are ``ignore_index`` (e.g. the unmasked tokens of masked language modelling) are left out, as the training
+    loss leaves them out. ``mse``: the targets are ``output + e``, ``e`` standard normal (the Gaussian whose
+    negative log-likelihood is ``||y - output||^2 / 2``), and the loss is ``F.mse_loss``'s mean over the elements:
+    for a model whose residuals are standard normal the sampled and the empirical ``G`` agree in expectation."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    out = output.to(torch.promote_types(output.dtype, torch.float32))
+    if loss == "mse":
+        noise = torch.randn(out.shape, generator=generator, dtype=out.dtype, device=out.device)
+        return F.mse_loss(out, out.detach() + noise)
+    logits = out.reshape(-1, out.shape[-1])
+    with torch.no_grad():
+        targets = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        if labels is not None:
+            targets = torch.where(labels.reshape(-1) == ignore_index, ignore_index, targets)
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index)
