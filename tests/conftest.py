@@ -6,8 +6,18 @@ from typing import Iterator
 
 import launch
 import pytest
+import torch
 
 import ds_kfac
+
+
+@pytest.fixture(autouse=True)
+def _torch_linear_restored() -> Iterator[None]:
+    """``torch.nn.functional.linear`` as it was before the test: a ZeRO 3 engine built in this process replaces it
+    for good with DeepSpeed's autograd Function (DeepSpeed says so: "This will persist unless manually reset")."""
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
 
 
 @pytest.fixture

@@ -84,11 +84,19 @@ def test_step_preconditions_with_the_sampled_g(case: str) -> None:
     assert not torch.allclose(expected, ref.precondition_eigen(a, empirical, grad, DAMPING), rtol=1e-3)
 
 
+@pytest.mark.parametrize("linear", ["torch", "autograd_function"])
 @pytest.mark.parametrize("shape", [(8,), (3, 4)], ids=["batch", "sequence"])
-def test_inner_layers_get_the_sampled_g_through_the_network(shape: tuple[int, ...]) -> None:
+def test_inner_layers_get_the_sampled_g_through_the_network(
+    shape: tuple[int, ...], linear: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two layers: the first layer's G comes from the sampled output gradients back-propagated by hand through the
     second layer and the tanh (the pass starts below the output's own backward node: an addmm, or for a sequence
-    the view after it)."""
+    the view after it). ``autograd_function``: ``F.linear`` is DeepSpeed's ZeRO 3 linear, a custom autograd
+    Function whose backward node is not callable (a ZeRO 3 engine built in the process installs it for good)."""
+    if linear == "autograd_function":
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+        monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4)).double()
     x, targets = torch.randn(*shape, 5).double(), torch.randint(0, 4, shape)

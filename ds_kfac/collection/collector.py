@@ -205,7 +205,9 @@ class FactorCollector:
                 else:
                     inner.append(out)
             if inner:
-                grads = node(root)  # a node with one input returns a tensor, others a tuple
+                # A built-in op's node is called (one input: a tensor, others a tuple); a custom autograd Function's
+                # (DeepSpeed's ZeRO 3 linear, fused kernels) through its ``apply``, one gradient per forward input.
+                grads = node(root) if callable(node) else node.apply(root)
                 below = [  # the node's inputs but parameters (leaves, whose gradient the engine would sum to shape)
                     (GradientEdge(fn, nr), grad)
                     for (fn, nr), grad in zip(node.next_functions, (grads,) if torch.is_tensor(grads) else grads)
