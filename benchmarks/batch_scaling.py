@@ -11,6 +11,11 @@ The best learning rate of each arm at each batch is the one reaching the target 
     python benchmarks/batch_scaling.py run resnet --batches 256 1024 4096 --lrs 0.2 0.4 0.8
     python benchmarks/batch_scaling.py run resnet --batches 1024 --lrs 0.4 --seeds 0 1 2
     python benchmarks/batch_scaling.py table benchmarks/results/batch_scaling_resnet.json
+    python benchmarks/batch_scaling.py merge benchmarks/results/batch_scaling_bert.json runs/bs_64/batch_scaling_bert.json \
+        runs/bs_256/batch_scaling_bert.json
+
+``merge`` joins the runs of several ``run``s of one task and target (a ladder whose learning-rate grid
+differs with the batch, or more seeds) into one result, best points and ratios recomputed.
 
 ``run`` writes ``<out>/batch_scaling_<task>.json`` (settings, versions, every run's curve, the best point
 of each arm at each batch, the ratios) and ``.png`` (log-log steps to target against the batch with the
@@ -291,6 +296,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
+    """One result from the runs of several results of the same task, metric and target (``settings`` are
+    those of the first, with the union of batches, grids and seeds; the commands are kept in a list)."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    first = parts[0]
+    for path, part in zip(paths, parts):
+        for key in ("metric", "target", "world", "samples", "steps"):
+            if (part["task"], part["settings"][key]) != (first["task"], first["settings"][key]):
+                raise SystemExit(f"{path}: {key} {part['settings'][key]!r} differs from {paths[0]}'s")
+    runs = [r for part in parts for r in part["runs"]]
+    seen = [(r["arm"], r["batch"], r["lr"], r["seed"]) for r in runs]
+    if len(set(seen)) < len(seen):
+        twice = sorted({k for k in seen if seen.count(k) > 1})
+        raise SystemExit(f"runs present twice (arm, batch, lr, seed): {twice}")
+    settings = dict(first["settings"])
+    settings["batches"] = sorted({r["batch"] for r in runs})
+    settings["lrs"] = {arm: sorted({r["lr"] for r in runs if r["arm"] == arm}) for arm in ARMS}
+    settings["seeds"] = sorted({r["seed"] for r in runs})
+    best = best_points(runs)
+    result = {
+        "task": first["task"],
+        "command": [part["command"] for part in parts],
+        "settings": settings,
+        "versions": first["versions"],
+        "runs": runs,
+        "best": best,
+        "ratios": ratios(best),
+    }
+    out.write_text(json.dumps(result, indent=1))
+    plot(out.with_suffix(".png"), result)
+    return result
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,15 +350,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("extra", nargs="*", help="after --: arguments passed to the example")
     t = sub.add_parser("table", help="the Markdown table of a saved result")
     t.add_argument("result", type=Path)
+    m = sub.add_parser("merge", help="one result (JSON and PNG) from the runs of several results of a task")
+    m.add_argument("out", type=Path)
+    m.add_argument("results", type=Path, nargs="+")
     args = parser.parse_args(argv)
     if args.command == "run":
         ladder = LADDERS[args.task]
         args.samples = args.samples or ladder.samples
         args.target = ladder.target if args.target is None else args.target
         run(args)
+    elif args.command == "merge":
+        print(table(merge(args.results, args.out)))
     else:
         result = json.loads(args.result.read_text())
-        print(f"{result['command']}\n\n{table(result)}")
+        commands = result["command"] if isinstance(result["command"], list) else [result["command"]]
+        print("\n".join(commands) + f"\n\n{table(result)}")
 
 
 if __name__ == "__main__":

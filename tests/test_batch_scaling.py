@@ -84,3 +84,27 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
         assert run["to_target"] == {"steps": 2.0, "seconds": run["curve"][0][1]}  # target 0: the first evaluation
     assert result["ratios"]["64"]["steps"] == 1.0
     assert (tmp_path / "batch_scaling_resnet.png").stat().st_size > 0
+
+
+def test_merge_joins_runs_and_recomputes_the_best_points(tmp_path: Path) -> None:
+    """Ladders run in parts (a grid per batch) merge into one result; parts that disagree, or overlap, are refused."""
+
+    def part(name: str, runs: list, target: float = 0.9) -> Path:
+        settings = {"metric": "held_out_accuracy", "target": target, "world": 2, "samples": 1000, "steps": None}
+        result = {"task": "resnet", "command": f"run {name}", "settings": settings, "versions": {}, "runs": runs}
+        (tmp_path / name).write_text(json.dumps(result))
+        return tmp_path / name
+
+    small = part("a.json", [_run("base", 256, 0.1, 0, 80.0), _run("kfac", 256, 0.1, 0, 40.0)])
+    large = part("b.json", [_run("base", 1024, 0.4, 0, 30.0), _run("kfac", 1024, 0.4, 0, 24.0)])
+    merged = bs.merge([small, large], tmp_path / "m.json")
+    assert merged["command"] == ["run a.json", "run b.json"]
+    assert merged["settings"]["batches"] == [256, 1024] and merged["settings"]["lrs"]["base"] == [0.1, 0.4]
+    assert merged["ratios"]["256"] == {"steps": 0.5, "seconds": 0.5}
+    assert merged["ratios"]["1024"] == {"steps": pytest.approx(0.8), "seconds": pytest.approx(0.8)}
+    assert json.loads((tmp_path / "m.json").read_text())["best"] == merged["best"]
+    assert (tmp_path / "m.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="target 0.95 differs"):
+        bs.merge([small, part("c.json", [], target=0.95)], tmp_path / "x.json")
+    with pytest.raises(SystemExit, match="present twice"):
+        bs.merge([small, small], tmp_path / "x.json")

@@ -282,7 +282,11 @@ def main(argv: list[str] | None = None) -> None:
         total = 0.0
         for m in range(accum):
             batch = data.collate([train_set[int(i)] for i in rows[m]], pad)
-            loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            out = engine(**batch)
+            if kfac is not None:  # with "fisher": "sampled", G from masked-LM targets drawn from the model
+                kfac.sample_fisher(out.prediction_logits, "cross_entropy", labels=batch["labels"])
+            loss = out.loss
             engine.backward(loss)
             engine.step()
             total += loss.item() / accum

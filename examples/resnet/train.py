@@ -258,7 +258,10 @@ def main() -> None:
         total = 0.0
         for m in range(accum):
             x = random_shift(x_tr[idx[m]], args.shift, shifts) if augment else x_tr[idx[m]]
-            loss = F.cross_entropy(engine(x.to(engine.device, dtype)).float(), y_tr[idx[m]].to(engine.device))
+            logits = engine(x.to(engine.device, dtype)).float()
+            if kfac is not None:  # with "fisher": "sampled", G from labels drawn from the model's prediction
+                kfac.sample_fisher(logits, "cross_entropy")
+            loss = F.cross_entropy(logits, y_tr[idx[m]].to(engine.device))
             engine.backward(loss)
             engine.step()
             total += loss.item() / accum
