@@ -8,6 +8,7 @@ CIFAR ResNet-20) on 1 or 2 CPU processes (gloo, one thread each)::
                                                                          # (world 1, world 2 comm-opt/mem-opt)
     python benchmarks/step_cost.py run --workloads resnet20 --worlds 2 --ga 4 --cycles 5
     python benchmarks/step_cost.py run --set inv_update_steps=20 --set damping=0.01   # K-FAC key overrides
+    python benchmarks/step_cost.py run --set fisher='"sampled"'          # the sampled Fisher's extra backward
     python benchmarks/step_cost.py run --smoke --out /tmp/smoke.json     # BERT-tiny, ResNet-8 at 16x16 (CI)
     python benchmarks/step_cost.py table benchmarks/results/step_cost.json
 
@@ -30,10 +31,17 @@ boundary on CUDA).
 Phases of one optimizer step:
 
 * ``forward_backward``: zero_grad and all micro-batches' forward and backward,
-  minus K-FAC's ``hooks`` (reported separately);
+  minus K-FAC's ``hooks`` and ``sampled_backward`` (reported separately);
 * ``grad_comm``: the gradient all-reduce (0 on one process);
 * K-FAC's own phases, read from ``kfac.timings`` (whatever keys it has:
-  ``hooks``, ``factor_comm``, ``factors``, ``decompose``, ``precondition``);
+  ``hooks``, ``sampled_backward``, ``factor_comm``, ``factors``, ``decompose``,
+  ``precondition``). Every micro-batch of the K-FAC arm calls
+  ``kfac.sample_fisher`` on its logits (the BERT workload: the masked-LM
+  logits, its ``-100`` labels left out), which does nothing unless
+  ``--set fisher='"sampled"'``; then, on the micro-batches that gather factors,
+  the sampled Fisher's extra backward (the sampling and the pass) is its own
+  phase, ``sampled_backward``, timed by K-FAC less the hooks that run inside it
+  (those stay in ``hooks``); the floor below does not count that pass;
 * ``base_optimizer``: ``optimizer.step()``.
 
 The step itself is timed end to end; ``coverage = sum(phases) / step``: the
@@ -147,14 +155,24 @@ POOL = 16  # distinct micro-batches per rank, reused in turn
 
 # ---------------------------------------------------------------- workloads
 @dataclass(frozen=True)
+class Outputs:
+    """A micro-batch's training loss, and the logits the sampled Fisher draws targets from (``labels``: the
+    positions the loss leaves out are ``-100``; ``None``: none)."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    labels: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
 class Workload:
-    """A model, its base optimizer, its batches and loss, and the config whose ``"kfac"`` section it uses."""
+    """A model, its base optimizer, its batches and forward pass, and the config whose ``"kfac"`` section it uses."""
 
     kfac_config: str
     build: Callable[[bool], nn.Module]
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     batch: Callable[[bool, torch.Generator], Batch]
-    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    forward: Callable[[nn.Module, Batch], Outputs]
 
 
 BERT_MINI = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
@@ -192,6 +210,12 @@ def bert_batch(smoke: bool, generator: torch.Generator) -> Batch:
     }
 
 
+def bert_outputs(model: nn.Module, batch: Batch) -> Outputs:
+    """Pre-training loss (masked LM and next sentence); the sampled Fisher draws from the masked-LM logits."""
+    out = model(**batch)
+    return Outputs(out.loss, out.prediction_logits, batch["labels"])
+
+
 def build_resnet(depth: int) -> Callable[[bool], nn.Module]:
     """``examples/resnet/train.py``'s ``ResNet`` of this depth (ResNet-8 in smoke mode)."""
 
@@ -217,27 +241,32 @@ def resnet_batch(micro: int) -> Callable[[bool, torch.Generator], Batch]:
     return batch
 
 
+def resnet_outputs(model: nn.Module, batch: Batch) -> Outputs:
+    logits = model(batch["x"])
+    return Outputs(F.cross_entropy(logits, batch["y"]), logits)
+
+
 WORKLOADS = {
     "bert-mini": Workload(
         "configs/bert_cpu_phase1_kfac.json",
         build_bert,
         lambda params: Lamb(params, lr=1e-3),
         bert_batch,
-        lambda model, batch: model(**batch).loss,
+        bert_outputs,
     ),
     "resnet20": Workload(
         "configs/resnet_kfac_cpu.json",
         build_resnet(20),
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         resnet_batch(64),
-        lambda model, batch: F.cross_entropy(model(batch["x"]), batch["y"]),
+        resnet_outputs,
     ),
     "resnet8-demo": Workload(  # the ResNet demo's model and micro-batch (configs/resnet_kfac_cpu.json)
         "configs/resnet_kfac_cpu.json",
         build_resnet(8),
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         resnet_batch(128),
-        lambda model, batch: F.cross_entropy(model(batch["x"]), batch["y"]),
+        resnet_outputs,
     ),
 }
 PLACEMENTS = ("comm-opt", "mem-opt")
@@ -273,10 +302,10 @@ class LayerWork:
 def count_layers(
     model: nn.Module,
     batch: Batch,
-    loss: Callable[[nn.Module, Batch], torch.Tensor],
+    forward: Callable[[nn.Module, Batch], Any],
     conv_factors: str = "expand",
 ) -> list[LayerWork]:
-    """The work of every Linear/Conv2d in one forward pass of ``batch`` (summed over calls of a module).
+    """The work of every Linear/Conv2d in one ``forward`` pass of ``batch`` (summed over calls of a module).
     Conv2d factor rows are its output positions (K-FAC-expand), or its examples with ``conv_factors="reduce"``."""
     seen: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dims: dict[str, tuple[int, int]] = {}
@@ -301,7 +330,7 @@ def count_layers(
     ]
     try:
         with torch.no_grad():
-            loss(model, batch)
+            forward(model, batch)
     finally:
         for h in handles:
             h.remove()
@@ -399,7 +428,10 @@ def train_step(
     t0 = now()
     arm.optimizer.zero_grad(set_to_none=True)
     for arm.micro, batch in enumerate(micro_batches):
-        (workload.loss(arm.model, batch) / len(micro_batches)).backward()
+        out = workload.forward(arm.model, batch)
+        if kfac is not None:  # the sampled Fisher's extra backward on factor steps; nothing with "empirical"
+            kfac.sample_fisher(out.logits, "cross_entropy", labels=out.labels)
+        (out.loss / len(micro_batches)).backward()
     t1 = now()
     if world > 1:
         average_gradients(arm.model, world)
@@ -411,10 +443,14 @@ def train_step(
     arm.optimizer.step()
     t4 = now()
     inner = dict(kfac.timings) if kfac is not None else {}
-    hooks = inner.pop("hooks", 0.0)
-    phases = {"forward_backward": t1 - t0 - hooks, "grad_comm": t2 - t1, "base_optimizer": t4 - t3}
+    # K-FAC's phases inside the micro-batches' forward and backward (the sampled pass only where one ran).
+    in_backward = {"hooks": inner.pop("hooks", 0.0)}
+    if "sampled_backward" in inner:
+        in_backward["sampled_backward"] = inner.pop("sampled_backward")
+    fwd_bwd = t1 - t0 - sum(in_backward.values())
+    phases = {"forward_backward": fwd_bwd, "grad_comm": t2 - t1, "base_optimizer": t4 - t3}
     if kfac is not None:
-        phases.update(hooks=hooks, **inner)
+        phases.update(in_backward, **inner)
     return t4 - t0, phases, (t3 - t2 - sum(inner.values())) if kfac is not None else None
 
 
@@ -503,7 +539,7 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         if factor_step:
             break
     registered = kfac.layer_names
-    layers = count_layers(model, pool[0], workload.loss, kfac.config.conv_factors)
+    layers = count_layers(model, pool[0], workload.forward, kfac.config.conv_factors)
     return {
         "records": records,
         "layers": {"registered": registered, "skipped": [s.name for s in kfac.skipped_layers]},

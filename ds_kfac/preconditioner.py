@@ -302,7 +302,9 @@ class KFACPreconditioner:
 
     @property
     def counters(self) -> dict[str, int]:
-        """Health counters: what K-FAC skipped or could not do (:mod:`ds_kfac.health`)."""
+        """Counts of the run, saved in checkpoints: what K-FAC skipped or could not do (:mod:`ds_kfac.health`) and,
+        with ``fisher: "sampled"``, the factor-update steps (``sampled_factor_steps``) and the sampled backward
+        passes they took ``G`` from (``sampled_passes``)."""
         return self.state.scalars.counters
 
     @property
@@ -348,7 +350,8 @@ class KFACPreconditioner:
             sampler = generator if generator is not None else self._sampling_generator(output.device)
             return sampled_loss(detached, loss, sampler, labels, ignore_index) * (scale / self.accumulation_steps)
 
-        return self.collector.sampled_backward(output, scaled)
+        with self.timer.phase("sampled_backward"):
+            return self.collector.sampled_backward(output, scaled)
 
     def _sampling_generator(self, device: torch.device) -> torch.Generator:
         """A generator seeded from the step, the sampled passes so far in it and the global rank: the same targets
@@ -381,6 +384,9 @@ class KFACPreconditioner:
                 f"training loss's backward, in training mode (not with reentrant activation checkpointing, whose "
                 f"layer outputs it cannot reach)"
             )
+        if self.collector.sampled and self.collector.collecting:
+            self.counters["sampled_factor_steps"] += 1
+            self.counters["sampled_passes"] += self.collector.sampled_passes
         self.update_curvature()
         s, layout, distributor = self.steps, self.layout, self.distributor
         blocks, grads, fragments = layout.gather(self.blocks, distributor.grad_workers)
@@ -619,10 +625,10 @@ class KFACPreconditioner:
 
     def metrics(self) -> dict[str, float]:
         """K-FAC's scalars by name, for a training log: ``kfac/steps``, ``kfac/nu`` (with ``kl_clip``),
-        ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`) and, with
-        adaptive refresh, ``kfac/interval/<layer>.<A/G>``. DeepSpeed's monitor and ``ds_kfac.hf.KFACTrainer``
-        both write these."""
-        metrics = {"kfac/steps": float(self.steps)}
+        ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`), the curvature
+        options (:meth:`option_metrics`) and, with adaptive refresh, ``kfac/interval/<layer>.<A/G>``. DeepSpeed's
+        monitor and ``ds_kfac.hf.KFACTrainer`` both write these."""
+        metrics = {"kfac/steps": float(self.steps), **self.option_metrics()}
         if self.last_nu is not None:
             metrics["kfac/nu"] = float(self.last_nu)
         metrics.update({f"kfac/seconds/{phase}": float(t) for phase, t in self.timings.items()})
@@ -630,6 +636,23 @@ class KFACPreconditioner:
         if self.refresh is not None:
             metrics.update({f"kfac/interval/{key}": float(n) for key, n in self.refresh.intervals().items()})
         return metrics
+
+    def option_metrics(self) -> dict[str, float]:
+        """Which curvature options the run uses and how many of this rank's blocks they reach (the same on every
+        data-parallel rank), so that a training log says what it measured: ``kfac/option/fisher_sampled``,
+        ``kfac/option/eigenvalue_correction`` and ``kfac/option/batchnorm_unit_wise`` (1 on, 0 off), and the
+        registered blocks ``kfac/blocks/kronecker`` (Linear and Conv2d), ``kfac/blocks/eigenvalue_corrected`` (those
+        of them with a correction ``S``) and ``kfac/blocks/unit_wise`` (BatchNorm)."""
+        config = self.config
+        kronecker = [b for b in self.blocks if isinstance(b, KFACBlock)]
+        return {
+            "kfac/option/fisher_sampled": float(config.fisher == "sampled"),
+            "kfac/option/eigenvalue_correction": float(config.eigenvalue_correction),
+            "kfac/option/batchnorm_unit_wise": float(config.batchnorm == "unit-wise"),
+            "kfac/blocks/kronecker": float(len(kronecker)),
+            "kfac/blocks/eigenvalue_corrected": float(sum(b.correction is not None for b in kronecker)),
+            "kfac/blocks/unit_wise": float(sum(isinstance(b, UnitWiseBlock) for b in self.blocks)),
+        }
 
     @property
     def layer_names(self) -> list[str]:

@@ -11,11 +11,17 @@ default, so training pays nothing for it.
 Phases, in the order a step runs them:
 
 * ``hooks``: factor rows and outer products in the forward and backward hooks;
+* ``sampled_backward``: the sampled Fisher's extra backward pass (``sample_fisher``
+  on factor-update micro-batches: the sampling and the pass), less the ``hooks``
+  that run inside it;
 * ``factor_comm``: waiting for the step's factor reduction to finish;
 * ``factors``: folding the step's factors into the running averages;
 * ``decompose``: decompositions, their sharing, and their finiteness check;
 * ``precondition``: gathering gradients, ``P(g)``, the KL clip, and writing back
   (including the broadcast of results when not every rank preconditions).
+
+A phase that runs inside another (the hooks inside ``sampled_backward``) counts
+in the inner one only, so the phases never overlap and their sum is K-FAC's time.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Iterator
 
 import torch
 
-PHASES = ("hooks", "factor_comm", "factors", "decompose", "precondition")
+PHASES = ("hooks", "sampled_backward", "factor_comm", "factors", "decompose", "precondition")
 
 
 class PhaseTimer:
@@ -37,6 +43,8 @@ class PhaseTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.synchronize = False
         """Synchronise the current CUDA device around each phase (true GPU times; off by default)."""
+        self._nested: list[float] = []
+        """Per phase in progress (outermost first), the seconds of the phases run inside it so far."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -45,12 +53,16 @@ class PhaseTimer:
             if sync:
                 torch.cuda.synchronize()
             start = time.perf_counter()
+            self._nested.append(0.0)
             try:
                 yield
             finally:
                 if sync:
                     torch.cuda.synchronize()
-                self.seconds[name] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.seconds[name] += elapsed - self._nested.pop()
+                if self._nested:
+                    self._nested[-1] += elapsed
 
     def clear(self) -> None:
         self.seconds.clear()

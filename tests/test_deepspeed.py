@@ -49,7 +49,7 @@ def reference(
     sampled = keys.get("fisher") == "sampled"
     model = problem.MODELS[model]()
     opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
-    per_rank = sampled or any(isinstance(m, torch.nn.BatchNorm1d) for m in model.modules())
+    per_rank = sampled or problem.has_batchnorm(model)
     parts, index = (GA if "factor_micro_batches" in keys else GA * world if per_rank else 1), [0]
     kfac = KFACPreconditioner(
         model, optimizer=opt, accumulation_steps=parts, micro_batch=lambda: index[0], **{**KFAC, **keys}
@@ -273,19 +273,32 @@ def test_loss_scale_and_overflow(tmp_path: Path) -> None:
     assert not any(math.isnan(p.sum().item()) for p in overflow["params"])
 
 
+# The curvature options together on the BatchNorm model: S, the unit-wise F and the sampled-Fisher counts saved and
+# restored, replicated (stage 0, comm-opt) or with factors reduced to one rank and ZeRO 2's ownership (mem-opt).
+OPTIONS = {"eigenvalue_correction": True, "fisher": "sampled", "batchnorm": "unit-wise"}
+RESUMED_OPTIONS = {0: OPTIONS, 2: {**OPTIONS, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"}}
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_checkpoint_resume_is_bitwise(tmp_path: Path, stage: int) -> None:
+    """Saved after step 3 of 6 (a decomposition at step 4 re-projects S after the resume), the resumed run equals the
+    straight one bit for bit on every rank, plain and with every curvature option (:data:`RESUMED_OPTIONS`)."""
     ds = {"zero_optimization": {"stage": stage}}
-    ckpt = str(tmp_path / "ckpt")
-    scenarios = [
-        {"ds": ds, "kfac": KFAC, "steps": 6, "save": {"dir": ckpt, "at": 3}},
-        {"ds": ds, "kfac": KFAC, "steps": 6, "load": ckpt},
-    ]
-    straight, resumed = launch.deepspeed_run(WORLD, tmp_path, scenarios)
-    assert resumed[0]["kfac"]["steps"] == 6  # the whole state is on rank 0 only
-    for r in range(WORLD):
-        for a, b in zip(straight[r]["params"], resumed[r]["params"]):
-            assert torch.equal(a, b)
+    scenarios = []
+    for name, keys, model in (("plain", {}, "mlp"), ("options", RESUMED_OPTIONS[stage], "batchnorm")):
+        ckpt = str(tmp_path / f"ckpt-{name}")
+        common = {"ds": ds, "kfac": {**KFAC, **keys}, "steps": 6, "model": model}
+        scenarios += [{**common, "save": {"dir": ckpt, "at": 3}}, {**common, "load": ckpt}]
+    runs = launch.deepspeed_run(WORLD, tmp_path, scenarios)
+    for straight, resumed in zip(runs[::2], runs[1::2]):
+        assert resumed[0]["kfac"]["steps"] == 6  # the whole state is on rank 0 only
+        assert resumed[0]["kfac"]["counters"] == straight[0]["kfac"]["counters"]
+        for r in range(WORLD):
+            for a, b in zip(straight[r]["params"], resumed[r]["params"]):
+                assert torch.equal(a, b)
+    options = runs[3][0]["kfac"]
+    assert options["counters"]["sampled_passes"] == 6 * GA and options["counters"]["sampled_factor_steps"] == 6
+    assert {key for entry in options["layers"].values() for key in entry} >= {"A", "G", "S", "F"}
 
 
 def test_resume_at_another_world_size(tmp_path: Path) -> None:

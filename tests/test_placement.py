@@ -9,6 +9,7 @@ from __future__ import annotations
 import launch
 import pytest
 import torch
+from test_deepspeed import FP32_TOL_BATCHNORM
 from workers import problem
 
 from ds_kfac import KFACConfigError, KFACPreconditioner
@@ -18,9 +19,11 @@ from ds_kfac.placement import LayerShape, PlacementPlan, lpt, workers_per_layer
 pytestmark = pytest.mark.timeout(420)
 
 KFAC = {"kl_clip": 0.01, "damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
+MEM_OPT_REDUCE = {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"}
 STEPS, PER_RANK = 5, 2
 # fp32: factors summed in another order than the single process's, then eigendecomposed;
-# over 5 steps that moves small parameters by up to ~2e-6.
+# over 5 steps that moves small parameters by up to ~2e-6. BatchNorm over 2 rows per rank amplifies float32 rounding
+# (FP32_TOL_BATCHNORM): one process is 1.4e-5 from float64 after 5 steps at 4 ranks' rows, 4 ranks 2.2e-5 from it.
 FP32_TOL = dict(rtol=1e-5, atol=5e-6)
 
 
@@ -150,11 +153,14 @@ def reference(
 
     With ``owners`` (``local``): each layer's factors come only from its owner's rows,
     gathered by one backward pass per rank-sized slice with only that rank's layers collecting.
+    With the sampled Fisher or BatchNorm, also one pass per rank-sized slice: each samples with
+    that rank's generator, and BatchNorm normalizes each rank's rows on their own, as under DDP.
     """
     model = problem.MODELS[model]()
     opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
     config = {**KFAC, **keys}
-    kfac = KFACPreconditioner(model, optimizer=opt, accumulation_steps=world if owners else 1, **config)
+    per_rank_passes = bool(owners) or config.get("fisher") == "sampled" or problem.has_batchnorm(model)
+    kfac = KFACPreconditioner(model, optimizer=opt, accumulation_steps=world if per_rank_passes else 1, **config)
     current = {"rank": 0}
     if owners:
         kfac.distributor.collects = lambda block: owners[block.name] == current["rank"]
@@ -162,11 +168,13 @@ def reference(
     for step in range(steps):
         x, y = problem.global_batch(step, per_rank * world)
         opt.zero_grad()
-        if owners:
+        if per_rank_passes:
             for r in range(world):
                 current["rank"] = r
                 rows = slice(r * per_rank, (r + 1) * per_rank)
-                (problem.loss_fn(model(x[rows]), y[rows]) / world).backward()
+                out = model(x[rows])
+                kfac.sample_fisher(out, "mse", generator=problem.sampling_generator(step, 0, r))
+                (problem.loss_fn(out, y[rows]) / world).backward()
         else:
             problem.loss_fn(model(x), y).backward()
         kfac.step()
@@ -211,19 +219,25 @@ def scenarios(world: int) -> dict[str, dict]:
     }
     # Eigenvalue correction: every rank projects its examples' gradients, so the bases go to every rank; S is
     # all-reduced beside factors reduced to their decomposing ranks.
-    runs["mem-opt-corrected-reduce"] = {
-        "kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce", "eigenvalue_correction": True}
+    runs["mem-opt-corrected-reduce"] = {"kfac": {**KFAC, **MEM_OPT_REDUCE, "eigenvalue_correction": True}}
+    # The curvature options under DDP: unit-wise BatchNorm blocks (each rank normalizes its own rows) on every rank,
+    # or decomposed by one rank with their F reduced to it; the sampled Fisher (each rank samples with its own
+    # generator) likewise; the eigenvalue correction with 2 gradient workers per layer, S all-reduced.
+    batchnorm = {**KFAC, "batchnorm": "unit-wise"}
+    runs["batchnorm-comm-opt"] = {"kfac": batchnorm, "model": "batchnorm"}
+    runs["batchnorm-mem-opt-reduce"] = {"kfac": {**batchnorm, **MEM_OPT_REDUCE}, "model": "batchnorm"}
+    runs["sampled-comm-opt"] = {"kfac": {**KFAC, "fisher": "sampled"}}
+    runs["sampled-mem-opt-reduce"] = {"kfac": {**KFAC, "fisher": "sampled", **MEM_OPT_REDUCE}}
+    runs["hybrid-corrected"] = {
+        "kfac": {**KFAC, "grad_worker_fraction": min(1.0, 2 / world), "eigenvalue_correction": True}
     }
     runs["uniform-comm-opt-allreduce"] = {"kfac": KFAC, "model": "uniform"}
-    runs["uniform-mem-opt-reduce"] = {
-        "kfac": {**KFAC, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"},
-        "model": "uniform",
-    }
+    runs["uniform-mem-opt-reduce"] = {"kfac": {**KFAC, **MEM_OPT_REDUCE}, "model": "uniform"}
     for run in runs.values():
         run.update(steps=STEPS, per_rank=PER_RANK)
     # S is defined in an eigenbasis, which eigh picks freely within a degenerate (null) space: with fewer global rows
     # than A's size (7) the ranks and the single process would pick different ones. 4 rows per rank.
-    runs["mem-opt-corrected-reduce"]["per_rank"] = 4
+    runs["mem-opt-corrected-reduce"]["per_rank"] = runs["hybrid-corrected"]["per_rank"] = 4
     return runs
 
 
@@ -250,8 +264,9 @@ def test_every_mode_matches_single_process_and_ranks_agree_every_step(world_runs
         for step in range(STEPS):
             for r in range(1, world):
                 assert torch.equal(results[0]["params"][step], results[r]["params"][step]), (name, step, r)
+            tolerance = FP32_TOL_BATCHNORM if scenario.get("model") == "batchnorm" else FP32_TOL
             torch.testing.assert_close(
-                results[0]["params"][step], expected[step], **FP32_TOL, msg=f"{name} step {step}"
+                results[0]["params"][step], expected[step], **tolerance, msg=f"{name} step {step}"
             )
 
 
@@ -314,19 +329,27 @@ def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str,
         out["eigenvalue_corrections"] = 0
     for name, (a_worker, g_worker, workers) in results[0]["layers"].items():
         a, g = results[0]["shapes"][name]
-        held = {"A": a * a if rank == a_worker else 0, "G": g * g if rank == g_worker else 0}
+        floats = statistic_floats(results[0]["sides"][name], a, g)
+        decomposer = {"A": a_worker, "G": g_worker, "F": a_worker}
+        held = {side: n if rank == decomposer[side] else 0 for side, n in floats.items()}
         if reduction == "allreduce":
-            out["factors"] += 4 * (a * a + g * g) if rank in workers else 0
+            out["factors"] += 4 * sum(floats.values()) if rank in workers else 0
         else:
-            out["factors"] += 4 * (held["A"] + held["G"])
+            out["factors"] += 4 * sum(held.values())
         if rank in workers or (corrected and reduction != "local"):
-            floats = a * a + g * g + (a + g if eigen else 0)
-            out["decompositions"] += 4 * floats
+            eigenvalues = a + g if eigen and "F" not in floats else 0
+            out["decompositions"] += 4 * (sum(floats.values()) + eigenvalues)
         if corrected and rank in workers:
             out["eigenvalue_corrections"] += 4 * g * a
         if keys["inv_update_steps"] == "adaptive":
-            out["refresh_references"] += 2 * 4 * (held["A"] + held["G"])
+            out["refresh_references"] += 2 * 4 * sum(held.values())
     return out
+
+
+def statistic_floats(sides: tuple[str, ...], a: int, g: int) -> dict[str, int]:
+    """Floats of each running statistic of a block: ``A`` and ``G``, or a unit-wise BatchNorm block's ``F`` (``g``
+    channels' ``a x a`` Fisher blocks), which is also its decomposition."""
+    return {"F": g * a * a} if "F" in sides else {"A": a * a, "G": g * g}
 
 
 def test_memory_per_rank_matches_the_formula(world_runs) -> None:
@@ -345,13 +368,21 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
     layers = results[0]["layers"]
     n = len(next(iter(layers.values()))[2])
     reduction, symmetric = keys.get("factor_reduction", "allreduce"), keys.get("symmetric_comm", False)
-    floats = sum((d * (d + 1) // 2 if symmetric else d * d) for a, g in shapes.values() for d in (a, g))
+    sides = results[0]["sides"]
+    unit_wise = {name for name in shapes if "F" in sides[name]}
+    floats = sum(  # on the wire: Kronecker factors packed with symmetric_comm, F whole
+        g * a * a if name in unit_wise else sum((d * (d + 1) // 2 if symmetric else d * d) for d in (a, g))
+        for name, (a, g) in shapes.items()
+    )
     corrected = keys.get("eigenvalue_correction", False)
     eigen = keys.get("compute_method", "eigen") == "eigen"
 
-    def decomposition(a: int, g: int) -> int:
+    def decomposition(name: str) -> int:
         """Floats of one layer's decomposition, each side sent once from its decomposing rank
-        (``eigen-outer`` sends eigen's sides: its ``D`` is computed where it is used)."""
+        (``eigen-outer`` sends eigen's sides: its ``D`` is computed where it is used; unit-wise: ``F`` itself)."""
+        a, g = shapes[name]
+        if name in unit_wise:
+            return g * a * a
         return (a * a + a) + (g * g + g) if eigen else a * a + g * g  # (Q, v) per side; (F^-1,) per side
 
     out = {"all_reduce": 0, "reduce": 0, "broadcast": 0}
@@ -363,13 +394,13 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
     elif reduction == "reduce":
         out["reduce"] = world * 4 * floats
     if corrected:  # S, all-reduced beside the factors (also when they are reduced to one rank)
-        out["all_reduce"] += world * 4 * sum(a * g for a, g in shapes.values())
+        out["all_reduce"] += world * 4 * sum(a * g for name, (a, g) in shapes.items() if name not in unit_wise)
     if n < world:
         out["all_reduce"] += world * 4  # the KL-clip sum
         out["broadcast"] += n * sum(4 * a * g for a, g in shapes.values())  # P(g) along rows
     holders = world if corrected and reduction != "local" else n  # the ranks each decomposition goes to
     if holders > 1 and step % keys["inv_update_steps"] == 0:
-        out["broadcast"] += sum(4 * decomposition(a, g) for a, g in shapes.values())
+        out["broadcast"] += sum(4 * decomposition(name) for name in shapes)
     return out
 
 

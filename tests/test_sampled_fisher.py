@@ -194,6 +194,9 @@ def test_resume_is_bitwise_and_a_mismatch_is_refused() -> None:
     _train(*resumed, range(2, 5))
     for a, b in zip(straight[0].parameters(), resumed[0].parameters()):
         assert torch.equal(a, b)
+    # The counts of metrics() continue from the checkpoint: 5 factor steps of one sampled pass each.
+    for kfac in (straight[1], resumed[1]):
+        assert (kfac.counters["sampled_factor_steps"], kfac.counters["sampled_passes"]) == (5, 5)
     with pytest.raises(ValueError, match="saved with fisher='sampled', this run uses 'empirical'"):
         build(_mlp(), fisher="empirical")[1].load_state_dict(first[1].state_dict())
 

@@ -177,3 +177,19 @@ def test_smoke_run_and_table(
     phases, floors = capsys.readouterr().out.strip().split("\n\n")
     assert len(phases.splitlines()) == 2 + 2 * len(configurations)  # a row per arm
     assert len(floors.splitlines()) == 2 + 3 * len(configurations)  # factors, precondition, decompose
+
+
+def test_smoke_times_the_sampled_fisher_backward(tmp_path: Path) -> None:
+    """``--set fisher='"sampled"'``: the K-FAC arm calls ``sample_fisher`` on every micro-batch, and the extra backward
+    is the phase ``sampled_backward`` of the steps that update factors (4-step cycle: indices 0 and 2), none on the
+    plain steps nor in the base arm; the phases still cover the step."""
+    out = tmp_path / "sampled.json"
+    args = ["run", "--smoke", "--workloads", "resnet8-demo", "--worlds", "1", "--ga", "2", "--cycles", "1"]
+    sc.main([*args, "--set", 'fisher="sampled"', "--timeout", "60", "--out", str(out)])
+    (c,) = json.loads(out.read_text())["configurations"]
+    assert c["kfac_config"]["fisher"] == "sampled"
+    kfac, base = c["arms"]["kfac"], c["arms"]["base"]
+    assert all("sampled_backward" not in block["phases_ms"] for block in [base, *base["classes"].values()])
+    sampled = {name: block["phases_ms"]["sampled_backward"] for name, block in kfac["classes"].items()}
+    assert sampled["plain"] == 0.0 and sampled["factor"] > 0 and sampled["decomposition"] > 0
+    assert all(0.9 <= block["coverage"] <= 1.1 for block in [kfac, *kfac["classes"].values()])

@@ -2,7 +2,8 @@
 
 Runs the scenarios of a JSON spec (``kfac`` keys, ``steps``, ``model``, ``passes``:
 forward/backward passes per step, ``expect_error``: record a RuntimeError's message
-instead of failing) and saves, per rank, the parameters after every step, K-FAC's
+instead of failing; with ``fisher: "sampled"`` each pass samples with the rank's
+generator of ``problem.sampling_generator``) and saves, per rank, the parameters after every step, K-FAC's
 per-rank memory, the bytes of each collective kind per step, and the placement plan.
 """
 
@@ -51,7 +52,9 @@ def train(scenario: dict) -> dict:
         before = {k: STATS[k] for k in KINDS}
         opt.zero_grad()
         for _ in range(scenario.get("passes", 1)):
-            problem.loss_fn(ddp(x[rows]), y[rows]).backward()
+            out = ddp(x[rows])
+            kfac.sample_fisher(out, "mse", generator=problem.sampling_generator(step, 0, rank))  # fisher: "sampled"
+            problem.loss_fn(out, y[rows]).backward()
         kfac.step()
         opt.step()
         comm.append({k: STATS[k] - before[k] for k in KINDS})
@@ -66,6 +69,7 @@ def train(scenario: dict) -> dict:
         "buckets": len(buckets.buckets) if buckets is not None else 0,
         "layers": {name: (p.a_worker, p.g_worker, p.grad_workers) for name, p in plan.layers.items()},
         "shapes": {b.name: (b.adapter.a_dim, b.adapter.g_dim) for b in kfac.blocks},
+        "sides": {b.name: b.sides for b in kfac.blocks},
         "kfac": kfac.state_dict(),  # the whole state on rank 0, None on the others
         "refresh": kfac.refresh.state_dict() if kfac.refresh is not None else None,
     }

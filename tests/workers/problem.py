@@ -46,6 +46,11 @@ def make_batchnorm_model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, OUT))
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` normalizes over its batch: a single-process reference must then run each rank's rows apart."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer, "batchnorm": make_batchnorm_model}
 
 
