@@ -17,6 +17,32 @@ FisherLoss = Literal["cross_entropy", "mse"]
 LOSSES = ("cross_entropy", "mse")
 
 
+def _check_arguments(output: torch.Tensor, loss: str, labels: Optional[torch.Tensor]) -> None:
+    """Refuse, naming the argument, what would otherwise fail inside torch or sample a meaningless ``G``: an unknown
+    loss, a 0-dimensional ``output`` (the training loss passed for the logits), logits over fewer than 2 classes (one
+    logit: ``softmax`` is 1, every sampled loss and so ``G`` are 0), and ``labels`` without one entry per position."""
+    if loss not in LOSSES:
+        raise ValueError(f"sample_fisher: loss must be one of {LOSSES}, got {loss!r}")
+    if output.dim() == 0:
+        raise ValueError(
+            "sample_fisher: output is a 0-dimensional tensor (the training loss?); pass the model's logits "
+            "(cross_entropy) or prediction (mse)"
+        )
+    if loss != "cross_entropy":
+        return
+    if output.shape[-1] < 2:
+        raise ValueError(
+            f"sample_fisher: cross_entropy needs logits over at least 2 classes in the last dimension, got output of "
+            f"shape {tuple(output.shape)} (a single logit, as for binary cross-entropy, samples a G of 0): pass 2 "
+            f"logits per position, or use mse"
+        )
+    if labels is not None and labels.numel() != output.numel() // output.shape[-1]:
+        raise ValueError(
+            f"sample_fisher: labels must hold one entry per position of the logits (shape {tuple(output.shape[:-1])}, "
+            f"classes in the last dimension), got labels of shape {tuple(labels.shape)}"
+        )
+
+
 def sampled_loss(
     output: torch.Tensor,
     loss: FisherLoss,
@@ -33,8 +59,7 @@ def sampled_loss(
     loss leaves them out. ``mse``: the targets are ``output + e``, ``e`` standard normal (the Gaussian whose
     negative log-likelihood is ``||y - output||^2 / 2``), and the loss is ``F.mse_loss``'s mean over the elements:
     for a model whose residuals are standard normal the sampled and the empirical ``G`` agree in expectation."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    _check_arguments(output, loss, labels)
     out = output.to(torch.promote_types(output.dtype, torch.float32))
     if loss == "mse":
         noise = torch.randn(out.shape, generator=generator, dtype=out.dtype, device=out.device)

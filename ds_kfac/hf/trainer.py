@@ -32,6 +32,7 @@ from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from ..config import KFACConfig
 from ..curvature import FisherLoss
+from ..curvature.fisher import LOSSES
 from ..integration.engine import KFACEngine
 from ..integration.substitute import kfac_initialize_once
 from ..preconditioner import KFACPreconditioner
@@ -46,6 +47,8 @@ class KFACTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, fisher_loss: FisherLoss = "cross_entropy", **kwargs: Any) -> None:
+        if fisher_loss not in LOSSES:  # refused now, not at the first factor-update step of the sampled Fisher
+            raise ValueError(f"KFACTrainer: fisher_loss must be one of {LOSSES}, got {fisher_loss!r}")
         self.fisher_loss = fisher_loss
         super().__init__(*args, **kwargs)
 
@@ -84,8 +87,7 @@ class KFACTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         labels = inputs.get("labels")  # Trainer's loss may pop it
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
-        kfac.sample_fisher(logits, self.fisher_loss, labels=labels)
+        kfac.sample_fisher(_logits(outputs), self.fisher_loss, labels=labels)
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -93,6 +95,24 @@ class KFACTrainer(Trainer):
         if "loss" in logs and self.kfac is not None:
             logs = {**logs, **self.kfac.metrics()}
         super().log(logs, *args, **kwargs)
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    """The model outputs' ``logits`` (a dict's key, or a tuple's second entry after the loss, as Trainer reads the
+    loss from the first), for the sampled Fisher; a ``ValueError`` naming what the outputs hold otherwise."""
+    if isinstance(outputs, dict):
+        if "logits" in outputs:
+            return outputs["logits"]
+        found = f"outputs with keys {list(outputs)}"
+    elif isinstance(outputs, (tuple, list)) and len(outputs) > 1 and torch.is_tensor(outputs[1]):
+        return outputs[1]
+    else:
+        found = f"outputs of type {type(outputs).__name__}"
+    raise ValueError(
+        f'KFACTrainer with "fisher": "sampled" samples targets from the model\'s "logits" output (a dict key, or a '
+        f"tuple's second entry after the loss); the model returned {found}: return its logits (cross_entropy) or "
+        f'prediction (mse) as "logits"'
+    )
 
 
 def _preparing_with_kfac(prepare: Callable[..., Any]) -> Callable[..., Any]:

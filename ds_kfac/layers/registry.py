@@ -136,7 +136,49 @@ def find_layers(
         logger.info("K-FAC skips %s: %s", s.name, s.reason)
     if warn:
         _warn(layers, skipped, tied)
+        _warn_unregistered(model, patterns, batchnorm)
     return layers, skipped
+
+
+def _warn_unregistered(model: nn.Module, patterns: list[re.Pattern], batchnorm: bool) -> None:
+    """Name the trainable modules K-FAC looks like it should precondition but does not, which the base optimizer
+    would otherwise train alone without a word: convolutions other than ``nn.Conv2d`` (``nn.Conv1d``, ``nn.Conv3d``,
+    transposed), and, with ``batchnorm``, BatchNorm layers of other types (``nn.SyncBatchNorm``, ``nn.BatchNorm3d``),
+    or none at all. Modules matching ``skip_layers`` are not named (listing them there silences this)."""
+
+    def unregistered(kind: type[nn.Module], handled: tuple[type[nn.Module], ...]) -> str:
+        return ", ".join(
+            f"{name!r} ({type(module).__name__})"
+            for name, module in model.named_modules()
+            if isinstance(module, kind)
+            and not isinstance(module, handled)
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+            and not any(pattern.search(name) for pattern in patterns)
+        )
+
+    convolutions = unregistered(nn.modules.conv._ConvNd, tuple(_ADAPTERS))
+    if convolutions:
+        warnings.warn(
+            "K-FAC preconditions nn.Conv2d, not these convolutions, which train with the base optimizer alone "
+            f"(conv_factors does not apply to them; list them in skip_layers to silence this): {convolutions}",
+            UserWarning,
+            stacklevel=4,
+        )
+    if not batchnorm:
+        return
+    norms = unregistered(nn.modules.batchnorm._BatchNorm, BATCHNORMS)
+    if norms:
+        why = f"not these, which train with the base optimizer alone (skip_layers silences this): {norms}"
+    elif not any(isinstance(m, BATCHNORMS) and m.affine for m in model.modules()):
+        why = "the model (on a pipeline, this stage) has no such layer, so the key changes nothing"
+    else:
+        return
+    warnings.warn(
+        f'"batchnorm": "unit-wise" preconditions nn.BatchNorm1d and nn.BatchNorm2d layers with affine parameters; '
+        f"{why}",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 Owners = dict[nn.Parameter, list[tuple[nn.Module, str, str]]]
