@@ -669,7 +669,7 @@ def overrides_label(overrides: Sequence[str]) -> str:
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    """The README's Markdown table: one row per configuration of each results file."""
+    """benchmarks/README.md's Markdown table: one row per configuration of each results file."""
     rows = [
         "| workload | K-FAC settings | world | placement | GA | base ms | K-FAC ms "
         "| K-FAC/base: mean (median, range over cycles) | floor ratio | overhead/floor "

@@ -8,7 +8,7 @@ noise hits both arms alike::
     python benchmarks/time_to_target.py run resnet --seeds 0 1 2          # ResNet, embedded digits
     python benchmarks/time_to_target.py run bert --set kfac.damping=0.01  # a study point
     python benchmarks/time_to_target.py compare runs/demo/bert_cpu_phase1_lamb runs/demo/bert_cpu_phase1_kfac
-    python benchmarks/time_to_target.py table benchmarks/results/*.json         # the README's rows
+    python benchmarks/time_to_target.py table benchmarks/results/*.json         # benchmarks/README.md's rows
 
 The target is the median over seeds of the base optimizer's final held-out
 metric at its full budget. A run's time to target is the first crossing of the

@@ -316,7 +316,7 @@ def test_mem_opt_reduce_holds_one_world_th_of_comm_opt(world_runs) -> None:
 
 
 def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str, int]:
-    """Documented bytes per rank after some steps (README "memory per rank"): running factors
+    """Documented bytes per rank after some steps (docs/placement.md, "memory per rank"): running factors
     where ``factor_reduction`` keeps them, decompositions on the layer's gradient workers (with the eigenvalue
     correction on every rank that collects), ``S`` on its gradient workers, and
     with adaptive refresh two snapshots of each factor this rank decomposes."""

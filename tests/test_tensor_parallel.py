@@ -114,7 +114,7 @@ def test_resume_is_bitwise(two: dict[str, Any]) -> None:
 
 
 def tp_bytes(n: int, steps: int, bias: bool, t: int = 2, itemsize: int = 4) -> list[dict[str, int]]:
-    """The README's formula, per rank: per step each layer's non-owners send their rows of the split side
+    """docs/megatron.md's formula, per rank: per step each layer's non-owners send their rows of the split side
     (``n x d/t``, column: ``d = out``, row: ``d = in``) and their gradient piece (column ``out/t x (in + b)``, row
     ``out x (in/t + b)``) to the owner, which sends each piece back. Owners here: column on rank 0, row on 1."""
     col_rows, row_rows = n * w.HIDDEN // t, n * w.HIDDEN // t

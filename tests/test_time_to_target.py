@@ -123,7 +123,8 @@ def test_compare_two_finished_runs(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_table_of_the_committed_results(capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's time-to-target rows come from benchmarks/results/*.json: each has 3+ seeds and its command."""
+    """benchmarks/README.md's time-to-target rows come from benchmarks/results/*.json: each has 3+ seeds and
+    its command."""
     results = sorted((ROOT / "benchmarks/results").glob("*.json"))
     paths = [p for p in results if "task" in json.loads(p.read_text())]  # time_to_target.py's; others name a benchmark
     assert {p.stem for p in paths} >= {"bert", "resnet"}

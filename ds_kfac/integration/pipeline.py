@@ -46,7 +46,7 @@ class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
     """``PipelineEngine`` plus K-FAC on this rank's stage; the preconditioner is :attr:`kfac`.
 
     Built by :func:`ds_kfac.initialize` for a ``PipelineModule``, which first refuses the setups this engine
-    does not support (see the README's "Pipeline parallelism")."""
+    does not support (see docs/pipeline.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
