@@ -209,7 +209,7 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.suptitle(f"batch scaling: {result['task']}, held-out {result['settings']['metric']} {target}, 2 ranks")
+    fig.suptitle(f"batch scaling: {result['task']}, steps to {result['settings']['metric']} {target}, 2 ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

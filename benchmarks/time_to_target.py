@@ -201,7 +201,8 @@ def read_curve(metrics_csv: Path, metric: str) -> Curve:
 
 
 def apply_overrides(config: dict[str, Any], assignments: Sequence[str]) -> dict[str, Any]:
-    """``config`` with each ``a.b.c=JSON`` assignment applied (a value that is not JSON is a string)."""
+    """``config`` with each ``a.b.c=JSON`` assignment applied (a value that is not JSON is a string). A new
+    key needs a path below the top (``kfac.eigenvalue_correction``, not ``eigenvalue_correction``)."""
     out = copy.deepcopy(config)
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -213,6 +214,11 @@ def apply_overrides(config: dict[str, Any], assignments: Sequence[str]) -> dict[
             value = raw
         node = out
         *parents, leaf = key.split(".")
+        if not parents and leaf not in out:  # DeepSpeed ignores unknown top-level keys: a typo would do nothing
+            raise ValueError(
+                f"--set {assignment!r}: the config has no top-level key {leaf!r}; keys are paths from the top "
+                f"(a K-FAC key is kfac.{leaf}=...)"
+            )
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):

@@ -80,6 +80,8 @@ def test_overrides_and_curve_reading(tmp_path: Path) -> None:
     assert config["kfac"]["damping"] == 0.003  # the input is not modified
     with pytest.raises(ValueError, match="KEY.PATH=VALUE"):
         ttt.apply_overrides(config, ["damping"])
+    with pytest.raises(ValueError, match="no top-level key 'eigenvalue_correction'.*kfac.eigenvalue_correction"):
+        ttt.apply_overrides(config, ["eigenvalue_correction=true"])  # DeepSpeed would ignore it: silently nothing
     csv = tmp_path / "metrics.csv"
     csv.write_text("step,seconds,loss,held_out_accuracy\n1,0.5,2.0,\n2,1.0,1.5,0.6\n3,1.5,1.2,0.8\n")
     assert ttt.read_curve(csv, "held_out_accuracy") == [(2.0, 1.0, 0.6), (3.0, 1.5, 0.8)]
