@@ -11,8 +11,8 @@ The best learning rate of each arm at each batch is the one reaching the target 
     python benchmarks/batch_scaling.py run resnet --batches 256 1024 4096 --lrs 0.2 0.4 0.8
     python benchmarks/batch_scaling.py run resnet --batches 1024 --lrs 0.4 --seeds 0 1 2
     python benchmarks/batch_scaling.py table benchmarks/results/batch_scaling_resnet.json
-    python benchmarks/batch_scaling.py merge benchmarks/results/batch_scaling_bert.json runs/bs_64/batch_scaling_bert.json \
-        runs/bs_256/batch_scaling_bert.json
+    python benchmarks/batch_scaling.py merge benchmarks/results/batch_scaling_bert.json \
+        runs/bs_256/batch_scaling_bert.json runs/bs_256_08/batch_scaling_bert.json
 
 ``merge`` joins the runs of several ``run``s of one task and target (a ladder whose learning-rate grid
 differs with the batch, or more seeds) into one result, best points and ratios recomputed.

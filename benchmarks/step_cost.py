@@ -276,7 +276,7 @@ def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement
     """The workload config's ``"kfac"`` section at KAISA's cadence (smoke: 2/4), ``--set`` applied, then the placement."""
     section = json.loads((ROOT / WORKLOADS[workload].kfac_config).read_text())["kfac"]
     section.update(SMOKE_CADENCE if smoke else CADENCE)
-    section = apply_overrides(section, overrides)
+    section = apply_overrides(section, overrides, new_top_keys=True)  # keys of the "kfac" section itself
     section["grad_worker_fraction"] = placement
     for key in CADENCE:
         value = section[key]

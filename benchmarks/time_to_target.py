@@ -8,7 +8,7 @@ noise hits both arms alike::
     python benchmarks/time_to_target.py run resnet --seeds 0 1 2          # ResNet, embedded digits
     python benchmarks/time_to_target.py run bert --set kfac.damping=0.01  # a study point
     python benchmarks/time_to_target.py compare runs/demo/bert_cpu_phase1_lamb runs/demo/bert_cpu_phase1_kfac
-    python benchmarks/time_to_target.py table benchmarks/results/*.json         # benchmarks/README.md's rows
+    python benchmarks/time_to_target.py table benchmarks/results/{resnet,bert}.json  # benchmarks/README.md's rows
 
 The target is the median over seeds of the base optimizer's final held-out
 metric at its full budget. A run's time to target is the first crossing of the
@@ -200,9 +200,10 @@ def read_curve(metrics_csv: Path, metric: str) -> Curve:
     return [(float(r["step"]), float(r["seconds"]), float(r[metric])) for r in rows if r.get(metric)]
 
 
-def apply_overrides(config: dict[str, Any], assignments: Sequence[str]) -> dict[str, Any]:
-    """``config`` with each ``a.b.c=JSON`` assignment applied (a value that is not JSON is a string). A new
-    key needs a path below the top (``kfac.eigenvalue_correction``, not ``eigenvalue_correction``)."""
+def apply_overrides(config: dict[str, Any], assignments: Sequence[str], new_top_keys: bool = False) -> dict[str, Any]:
+    """``config`` with each ``a.b.c=JSON`` assignment applied (a value that is not JSON is a string). Unless
+    ``new_top_keys``, a new key needs a path below the top (``kfac.eigenvalue_correction``, not
+    ``eigenvalue_correction``): DeepSpeed ignores unknown top-level keys, so a forgotten prefix would do nothing."""
     out = copy.deepcopy(config)
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -214,7 +215,7 @@ def apply_overrides(config: dict[str, Any], assignments: Sequence[str]) -> dict[
             value = raw
         node = out
         *parents, leaf = key.split(".")
-        if not parents and leaf not in out:  # DeepSpeed ignores unknown top-level keys: a typo would do nothing
+        if not parents and leaf not in out and not new_top_keys:
             raise ValueError(
                 f"--set {assignment!r}: the config has no top-level key {leaf!r}; keys are paths from the top "
                 f"(a K-FAC key is kfac.{leaf}=...)"
