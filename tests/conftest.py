@@ -25,5 +25,8 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The launcher's environment for one rank in this process; the process group is shut down afterwards."""
     for key, value in launch.one_rank_env().items():
         monkeypatch.setenv(key, value)
+    # TrainingArguments(deepspeed=...) sets this in os.environ for good; restored (unset) after the test, so a later
+    # Trainer built without DeepSpeed is not taken for a DeepSpeed one.
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
     yield
     ds_kfac.shutdown()
