@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -380,6 +381,30 @@ def test_nsp_pairs(corpus, tokenizer, examples) -> None:
     assert data.build_examples(corpus, tokenizer, seed=1) != examples
     with pytest.raises(ValueError, match="at least two documents"):
         data.build_examples(corpus[:1], tokenizer)
+
+
+def test_build_examples_encoding_cache(tmp_path: Path, corpus, tokenizer, examples, monkeypatch) -> None:
+    cache = tmp_path / "encoding-cache"
+    assert data.build_examples(corpus, tokenizer, max_seq_length=128, seed=0, cache_dir=cache) == examples
+    (cached,) = cache.iterdir()
+    mtime = cached.stat().st_mtime_ns
+    with np.load(cached) as saved:
+        assert saved["ids"].dtype == np.uint16 and saved["offsets"].dtype == np.int64
+        assert len(saved["offsets"]) == sum(map(len, corpus)) + 1
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("encoded although the sentences are cached")
+
+    other_settings = data.build_examples(corpus, tokenizer, max_seq_length=64, seed=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(type(tokenizer), "__call__", no_encoding)
+        assert data.build_examples(corpus, tokenizer, max_seq_length=128, seed=0, cache_dir=cache) == examples
+        assert data.build_examples(corpus, tokenizer, max_seq_length=64, seed=1, cache_dir=cache) == other_settings
+    assert cached.stat().st_mtime_ns == mtime and list(cache.iterdir()) == [cached]
+    # Other documents or another tokenizer are another cache entry.
+    data.encode_sentences(corpus[:-1], tokenizer, cache_dir=cache)
+    data.encode_sentences(corpus, data.train_tokenizer(corpus[:300], vocab_size=600), cache_dir=cache)
+    assert len(list(cache.iterdir())) == 3
 
 
 def test_masking_rates(tokenizer, examples) -> None:

@@ -77,5 +77,6 @@ def test_resume_continues_with_identical_losses(tmp_path: Path) -> None:
     pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "interrupted", "--resume")
     straight, resumed = metrics(tmp_path, "straight"), metrics(tmp_path, "interrupted")
     assert [r["step"] for r in resumed] == [str(s) for s in range(1, 9)]
+    assert len(list((tmp_path / "encoding-cache").glob("*.npz"))) == 2  # Training and held-out, from the first run.
     for key in ("loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key

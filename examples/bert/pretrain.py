@@ -26,7 +26,8 @@ documents, 18 MB of text and 120k training pairs at sequence length 64 and a
 ``<output-dir>/corpus-cache``; ``--corpus stdlib`` is the earlier, smaller
 corpus of imported standard-library docstrings (2.3k documents, 5.4k such
 pairs). A WordPiece vocabulary is trained on the training documents (cached in
-``<output-dir>/tokenizer-cache``). Documents are split into training and
+``<output-dir>/tokenizer-cache``), and the sentences' token ids are cached in
+``<output-dir>/encoding-cache``. Documents are split into training and
 held-out sets; the held-out set is never trained on. The corpus digest and the
 versions of what it was built from are printed and recorded.
 
@@ -159,6 +160,16 @@ def load_tokenizer(
     return tokenizer
 
 
+def load_examples(
+    docs: list[data.Document], tokenizer: PreTrainedTokenizerFast, seq: int, seed: int, cache: Path
+) -> list[data.PretrainingExample]:
+    """The documents' NSP pairs (rank 0 encodes and caches their sentences first; every rank then loads them)."""
+    if dist.get_rank() == 0:
+        data.encode_sentences(docs, tokenizer, cache_dir=cache)
+    dist.barrier()
+    return data.build_examples(docs, tokenizer, seq, seed=seed, cache_dir=cache)
+
+
 @torch.no_grad()
 def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
     """Held-out masked-LM loss and accuracy over the masked tokens (every rank, same batches)."""
@@ -197,12 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     documents, corpus = load_documents(args, args.output_dir / "corpus-cache")
     train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.data_seed)
     tokenizer = load_tokenizer(args, train_docs, bert["vocab_size"], args.output_dir / "tokenizer-cache")
-    seq = bert["max_seq_length"]
+    seq, encoding_cache = bert["max_seq_length"], args.output_dir / "encoding-cache"
     train_set = data.PretrainingDataset(
-        data.build_examples(train_docs, tokenizer, seq, seed=args.seed), tokenizer, seed=args.seed
+        load_examples(train_docs, tokenizer, seq, args.seed, encoding_cache), tokenizer, seed=args.seed
     )
     held_set = data.PretrainingDataset(
-        data.build_examples(held_docs, tokenizer, seq, seed=args.data_seed + 1), tokenizer, seed=args.data_seed + 1
+        load_examples(held_docs, tokenizer, seq, args.data_seed + 1, encoding_cache),
+        tokenizer,
+        seed=args.data_seed + 1,
     )
 
     model_config = json.loads(
