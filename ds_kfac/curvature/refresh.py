@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
+Key = tuple[str, str]
+"""A factor: (layer name, side: "A" or "G"; "F" for a unit-wise block). Defined here, used by placement too."""
 
 
 @dataclass

@@ -128,7 +128,7 @@ class KFACEngineMixin:
             self._write_monitor_events()
         else:
             self.kfac.restore(snapshot)
-            self.kfac.counters["skipped_steps"] += 1
+            self.kfac.health.skipped_step()
 
     def _verify_preconditioning(self) -> None:
         """Raise if a layer that has a decomposition was preconditioned on no data-parallel rank.

@@ -42,9 +42,8 @@ from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock, KroneckerFactor, RunningAverage, blocks_device
 from ..curvature.decomposition import Shape, State
 from ..curvature.factors import finite_flags
+from ..curvature.refresh import Key
 from .plan import PlacementPlan
-
-Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
 
 SAVER = 0
 """The data-parallel rank that :meth:`Distributor.gather_state` gathers to: DeepSpeed saves from data-parallel rank 0."""
