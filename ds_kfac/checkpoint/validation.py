@@ -22,6 +22,7 @@ import torch
 from ..config import KFACConfig
 from ..curvature.decomposition import Shape
 from ..curvature.factors import finite_flags
+from ..curvature.refresh import factor_name
 from .record import (
     DECOMPOSITION,
     METHOD_KEYS,
@@ -143,7 +144,7 @@ def _refresh_problems(refresh: Any, layout: StateLayout) -> list[str]:
     """The adaptive-refresh schedule: ``[interval, previous_interval, next_step, refreshes]`` per factor."""
     if not isinstance(refresh, dict):
         return [f"'refresh' must be a dict of factor to schedule, got {_describe(refresh)}"]
-    expected = {f"{name}.{side}" for name, layer in layout.layers.items() for side in layer.sides}
+    expected = {factor_name((name, side)) for name, layer in layout.layers.items() for side in layer.sides}
     problems = []
     if set(refresh) != expected:
         problems.append(
