@@ -31,6 +31,11 @@ class Health:
             said.update(new)
             warnings.warn(message(new), RuntimeWarning, stacklevel=5)
 
+    def skipped_step(self) -> None:
+        """A step the engine did not apply (DeepSpeed skipped it: fp16/bf16 overflow) and K-FAC undid: counted as
+        ``skipped_steps``, not warned about (DeepSpeed logs each one)."""
+        self._state.scalars.counters["skipped_steps"] += 1
+
     def nonfinite_factors(self, factors: list[str]) -> None:
         """Factor updates (``layer/A``, ``layer/G``; ``layer/S``, an eigenvalue correction) whose running average would
         not be finite."""

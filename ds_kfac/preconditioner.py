@@ -21,7 +21,6 @@ contract documented in ``docs/conventions.md`` and pinned by ``tests/``.
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
@@ -29,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import METHOD_KEYS, STATE_VERSION, CheckedState, LayerLayout, StateLayout, check_state
+from .checkpoint import CheckedState
+from .checkpoint import io as checkpoint_io
 from .collection import FactorCollector, LossScale
 from .comm import DEFAULT_BUCKET_BYTES, all_reduce_sum_, data_parallel_rank, data_parallel_world
 from .config import KFACConfig, KFACConfigError, resolve
@@ -51,7 +51,7 @@ from .curvature import (
 from .health import Health
 from .layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
 from .placement import Distributor, GradientLayout, TensorParallelGradients, WholeGradients, split_tensor_parallel
-from .state import PendingDecompositions, Scalars, Snapshot, TrainingState
+from .state import PendingDecompositions, Snapshot, TrainingState
 from .timing import PhaseTimer
 
 
@@ -667,86 +667,17 @@ class KFACPreconditioner:
         per layer, CPU tensors), on rank 0 of the process group, the rank that saves; ``None`` on the
         other ranks, which receive nothing. Each piece is sent once, by one rank holding it.
         Collective: call it on every rank (as ``engine.save_checkpoint`` does)."""
-        layers = self.distributor.gather_state(self._local_state())
-        if layers is None:
-            return None
-        scalars = self.state.scalars
-        p = scalars.pending
-        return {
-            "version": STATE_VERSION,
-            "steps": scalars.steps,
-            **{key: getattr(self.config, key) for key in METHOD_KEYS},
-            "counters": dict(scalars.counters),
-            "refresh": self.refresh.state_dict() if self.refresh is not None else None,
-            # Restarted on load from the saved factors, which are those it started from.
-            "pending_decompositions": None if p is None else {"started": p.started, "install_at": p.install_at},
-            "layers": {
-                name: {"shape": (self._by_name[name].adapter.a_dim, self._by_name[name].adapter.g_dim), **entry}
-                for name, entry in layers.items()
-            },
-        }
-
-    def _local_state(self) -> dict[str, dict[str, Any]]:
-        """This rank's view of every layer's state: references to what it holds, ``None`` elsewhere."""
-        state = {b.name: {**{k: s.value for k, s in b.statistics().items()}, "state": b.state} for b in self.blocks}
-        if self.refresh is not None:
-            for (name, side), f in self.refresh.factors.items():
-                state[name][f"{side}_refs"] = [f.last, f.before_last]
-        return state
+        return checkpoint_io.state_dict(self)
 
     def check_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> CheckedState:
         """Check a :meth:`state_dict` against this preconditioner, changing nothing: one ``ValueError``
         names every problem (see :mod:`ds_kfac.checkpoint`). :meth:`load_state_dict` takes the result."""
-        return check_state(state, self._state_layout())
-
-    def _state_layout(self) -> StateLayout:
-        """What a state must hold to load here."""
-        layers = {
-            b.name: LayerLayout(
-                b.adapter.a_dim,
-                b.adapter.g_dim,
-                {key: stat.shape for key, stat in b.statistics().items()},
-                b.sides,
-                b.method.name,
-                [shape for shapes in b.side_shapes().values() for shape in shapes],
-            )
-            for b in self.blocks
-        }
-        return StateLayout(
-            method_keys={key: getattr(self.config, key) for key in METHOD_KEYS},
-            layers=layers,
-            adaptive=self.refresh is not None,
-        )
+        return checkpoint_io.check_state_dict(self, state)
 
     def load_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> None:
         """Restore :meth:`state_dict`. The whole state is checked first (:meth:`check_state_dict`, not
         again for a state already checked here), and nothing changes unless all of it is valid."""
-        state = self.check_state_dict(state).state
-        factor_dtype, inv_dtype = self.config.factor_torch_dtype, self.config.inv_torch_dtype
-        for b in self.blocks:
-            entry = state["layers"][b.name]
-            device = b.adapter.module.weight.device
-            for key, stat in b.statistics().items():
-                kept = self.distributor.keeps(b, key) and entry[key] is not None
-                stat.value = entry[key].to(device, factor_dtype) if kept else None
-            held = self.distributor.holds_state(b) and entry["state"] is not None
-            b.state = tuple(t.to(device, inv_dtype) for t in entry["state"]) if held else None
-        self.discard_step_statistics()
-        if self.refresh is not None:
-            self.refresh.load_state_dict(state["refresh"])
-            device = blocks_device(self.blocks)
-            for (name, side), f in self.refresh.factors.items():
-                refs = state["layers"][name][f"{side}_refs"] if self.distributor.holds(name, side) else (None, None)
-                f.last, f.before_last = (None if t is None else t.to(device, factor_dtype) for t in refs)
-        self.state.scalars = Scalars(
-            steps=state["steps"],
-            counters=defaultdict(int, state["counters"]),
-            seen=frozenset(b.name for b in self.blocks if state["layers"][b.name][b.sides[0]] is not None),
-        )
-        pending = state.get("pending_decompositions")
-        if pending is not None:
-            self._run_in_background(pending["started"], pending["install_at"])
-        self._arm_hooks()
+        checkpoint_io.load_state_dict(self, state)
 
     def __repr__(self) -> str:
         skipped = ", ".join(s.name for s in self.skipped_layers) or "none"

@@ -9,12 +9,11 @@ from .decomposition import (
     EigenDecomposition,
     EigenOuterDecomposition,
     InverseDecomposition,
-    all_finite,
-    curvature_floor,
     method_for,
 )
 from .factors import KroneckerFactor, RunningAverage
 from .fisher import FisherLoss, sampled_loss
+from .numerics import all_finite, curvature_floor
 from .refresh import AdaptiveRefresh
 from .unitwise import UnitFisher, UnitWiseBlock, UnitWiseInverse
 

@@ -30,7 +30,7 @@ for ``S = v_G v_A^T``), so ``P(g)``'s direction does not depend on the scale of 
 factors, which differs by orders of magnitude between layers. For ``inverse``
 this makes the factor dampings ``sqrt(damping) tr A / dim A`` and
 ``sqrt(damping) tr G / dim G``. A block whose mean curvature
-``mean(eig A) * mean(eig G)`` is below :func:`curvature_floor` (an all-zero or
+``mean(eig A) * mean(eig G)`` is below :func:`~.numerics.curvature_floor` (an all-zero or
 nearly zero factor: a dead layer) has no usable curvature: :meth:`Decomposition.uncurved`
 flags it, and its gradient passes through unpreconditioned (``inverse`` stores
 zero matrices for it).
@@ -49,79 +49,17 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .factors import is_finite
+from .numerics import below_floor, eigh, floor_damping, in_eigenbasis, inv, with_fallback
 
 if TYPE_CHECKING:
     from ..config import KFACConfig
 
 State = tuple[torch.Tensor, ...]
 Shape = tuple[int, ...]
-
-
-def _with_fallback(fn: Callable[[torch.Tensor], State], matrix: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
-    """``fn(matrix)`` in ``dtype``, retried in float64 (results cast back) if LAPACK fails; ``None`` if both fail.
-
-    Results keep LAPACK's layout (column-major eigenvectors; a rank that receives them
-    by broadcast holds them row-major): preconditioning runs on stacked copies
-    (:class:`~ds_kfac.curvature.block.StackedStates`), which have one layout on every
-    rank, so matmuls, and so parameters, stay bit-identical across ranks.
-    """
-    for attempt in (dtype, torch.float64):
-        try:
-            return tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
-        except torch.linalg.LinAlgError:
-            continue
-    return None
-
-
-def _eigh(matrix: torch.Tensor) -> State:
-    values, vectors = torch.linalg.eigh(matrix)
-    return vectors, values.clamp_(min=0.0)
-
-
-def _inv(matrix: torch.Tensor) -> State:
-    return (torch.linalg.inv(matrix),)
-
-
-def _in_eigenbasis(
-    qa: torch.Tensor, qg: torch.Tensor, grad: torch.Tensor, rescale: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """``Q_G rescale(Q_G^T grad Q_A) Q_A^T``: the eigen methods differ only in how they rescale in the eigenbasis."""
-    rotated = qg.mT @ grad.to(qa.dtype) @ qa
-    return qg @ rescale(rotated) @ qa.mT
-
-
-def floor_damping(damping: torch.Tensor) -> torch.Tensor:
-    """A relative damping kept a normal number (it underflows when a tiny ``damping`` multiplies a small curvature),
-    so that no ``0 / 0`` arises; blocks without usable curvature are passed through anyway (:meth:`uncurved`)."""
-    return damping.clamp(min=torch.finfo(damping.dtype).tiny)
-
-
-def curvature_floor(dtype: torch.dtype) -> float:
-    """The smallest mean curvature ``mean(eig A) * mean(eig G)`` relative damping uses in ``dtype``:
-    ``finfo.tiny / finfo.eps`` (9.9e-32 in float32, 1.0e-292 in float64).
-
-    Below it, ``eps`` times the block's curvature (the rounding unit of the products ``v_G v_A^T`` and of the
-    damping scaled by it) is a subnormal number or 0: the block's curvature has lost its precision, or is 0 (an
-    all-zero factor). A constant of the dtype, so it cannot vanish with the layer."""
-    info = torch.finfo(dtype)
-    return info.tiny / info.eps
-
-
-def _below_floor(mean_a: torch.Tensor, mean_g: torch.Tensor) -> torch.Tensor:
-    """Whether the mean curvature ``mean_a * mean_g`` is below :func:`curvature_floor` (a device tensor)."""
-    return mean_a * mean_g < curvature_floor(mean_a.dtype)
-
-
-def all_finite(state: Optional[State]) -> torch.Tensor:
-    """Whether a decomposition exists and is finite, as a device tensor (no host sync)."""
-    if state is None:
-        return torch.tensor(False)
-    return torch.stack([is_finite(t) for t in state]).all()
 
 
 class Decomposition(ABC):
@@ -195,12 +133,12 @@ class EigenDecomposition(Decomposition):
         if not self.relative_damping:
             return None
         _, va, _, vg = state
-        return _below_floor(va.mean(-1), vg.mean(-1))
+        return below_floor(va.mean(-1), vg.mean(-1))
 
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
     ) -> tuple[Optional[State], Optional[State]]:
-        return tuple(None if f is None else _with_fallback(_eigh, f, dtype) for f in (a, g))
+        return tuple(None if f is None else with_fallback(eigh, f, dtype) for f in (a, g))
 
     @staticmethod
     def basis(state: State) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +164,7 @@ class EigenDecomposition(Decomposition):
             denominator = self.eigenvalues(state).add_(self.block_damping(damping, va, vg))
         else:
             denominator = scaling + self.corrected_damping(damping, scaling)
-        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(denominator))
+        return in_eigenbasis(qa, qg, grad, lambda rotated: rotated.div_(denominator))
 
     def corrected_damping(self, damping: float, scaling: torch.Tensor) -> torch.Tensor | float:
         """The damping with the eigenvalue correction ``S``: ``damping``, or with ``relative_damping``
@@ -256,7 +194,7 @@ class EigenOuterDecomposition(EigenDecomposition):
     ) -> torch.Tensor:
         qa, _, qg, _ = state
         d = cached if cached is not None else self.precompute(state, damping)
-        return _in_eigenbasis(qa, qg, grad, lambda rotated: rotated.mul_(d))
+        return in_eigenbasis(qa, qg, grad, lambda rotated: rotated.mul_(d))
 
 
 class InverseDecomposition(Decomposition):
@@ -287,7 +225,7 @@ class InverseDecomposition(Decomposition):
         if self.relative_damping:
             # pi * sqrt(damping * ta * tg) and sqrt(damping * ta * tg) / pi.
             damp_a, damp_g = floor_damping(root * ta), floor_damping(root * tg)
-            uncurved = _below_floor(ta, tg)
+            uncurved = below_floor(ta, tg)
         else:
             # pi balances the damping between the factors; 1 when a trace is not positive.
             ok = (ta > 0) & (tg > 0)
@@ -295,7 +233,7 @@ class InverseDecomposition(Decomposition):
             damp_a, damp_g = pi * root, root / pi
         eye_a = torch.eye(a.shape[0], dtype=dtype, device=a.device)
         eye_g = torch.eye(g.shape[0], dtype=dtype, device=g.device)
-        sides = _with_fallback(_inv, a + damp_a * eye_a, dtype), _with_fallback(_inv, g + damp_g * eye_g, dtype)
+        sides = with_fallback(inv, a + damp_a * eye_a, dtype), with_fallback(inv, g + damp_g * eye_g, dtype)
         if uncurved is None:
             return sides
         return tuple(None if s is None else (torch.where(uncurved, 0.0, s[0]),) for s in sides)

@@ -22,7 +22,14 @@ from typing import Optional
 
 import torch
 
-Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
+Key = tuple[str, str]
+"""A factor: (layer name, side: "A" or "G"; "F" for a unit-wise block). Defined here, used by placement too."""
+
+
+def factor_name(key: Key) -> str:
+    """A factor's name in the saved schedule and the metrics: ``<layer>.<side>``."""
+    name, side = key
+    return f"{name}.{side}"
 
 
 @dataclass
@@ -77,7 +84,7 @@ class AdaptiveRefresh:
             f.before_last, f.last = f.last, value.detach().clone()
 
     def intervals(self) -> dict[str, int]:
-        return {f"{name}.{side}": f.interval for (name, side), f in self.factors.items()}
+        return {factor_name(key): f.interval for key, f in self.factors.items()}
 
     def snapshot(self) -> dict[Key, FactorRefresh]:
         """Copies of every schedule (the reference tensors are shared: they are replaced, never modified)."""
@@ -89,10 +96,10 @@ class AdaptiveRefresh:
     def state_dict(self) -> dict[str, list[int]]:
         """The schedule, the same on every rank (the references travel with the factors)."""
         return {
-            f"{n}.{s}": [f.interval, f.previous_interval, f.next_step, f.refreshes]
-            for (n, s), f in self.factors.items()
+            factor_name(key): [f.interval, f.previous_interval, f.next_step, f.refreshes]
+            for key, f in self.factors.items()
         }
 
     def load_state_dict(self, state: dict[str, list[int]]) -> None:
-        for (name, side), f in self.factors.items():
-            f.interval, f.previous_interval, f.next_step, f.refreshes = state[f"{name}.{side}"]
+        for key, f in self.factors.items():
+            f.interval, f.previous_interval, f.next_step, f.refreshes = state[factor_name(key)]

@@ -19,8 +19,9 @@ import torch
 
 from ..layers.base import LayerAdapter
 from .block import CurvatureBlock
-from .decomposition import Decomposition, Shape, State, curvature_floor, floor_damping
+from .decomposition import Decomposition, Shape, State
 from .factors import RunningAverage, compute_dtype
+from .numerics import curvature_floor, floor_damping
 
 
 class UnitFisher(RunningAverage):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import glob
 import os
-import pickle
 from typing import Any, Optional
 
 import torch
@@ -28,8 +27,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ..comm import create_groups
 from ..config import KFACConfigError
 from ..easgd import EASGDConfig, ElasticAverager
+from .checkpointing import CheckpointMixin, Installer
 from .engine import KFACEngine
-from .files import save_atomic, tag_to_load, tag_to_save
+from .files import EASGD_STATE, load_file, state_file
 
 
 def _optimizer_weights(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.nn.Parameter]]:
@@ -76,7 +76,7 @@ def refuse_unsupported(
         raise KFACConfigError("EASGD does not support: " + "; ".join(problems))
 
 
-class EASGDEngine(DeepSpeedEngine):
+class EASGDEngine(CheckpointMixin, DeepSpeedEngine):
     """``DeepSpeedEngine`` training by synchronous EASGD; the averager (center, update) is :attr:`easgd`."""
 
     def __init__(self, *args: Any, easgd_config: EASGDConfig, **kwargs: Any) -> None:
@@ -102,47 +102,40 @@ class EASGDEngine(DeepSpeedEngine):
 
         self.easgd.step(self.get_lr()[0], local_step)
 
-    def _easgd_file(self, checkpoint: str) -> str:
-        return os.path.join(checkpoint, f"easgd_rank{dist.get_rank(self.data_parallel_group)}.pt")
+    def _easgd_file(self) -> str:
+        """This rank's file in a checkpoint's tag directory, ``easgd_rank<r>.pt``."""
+        return state_file(EASGD_STATE, rank=dist.get_rank(self.data_parallel_group))
 
-    def save_checkpoint(
-        self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None, **kwargs: Any
-    ) -> Any:
-        """``DeepSpeedEngine.save_checkpoint``, and this rank's weights, optimizer and EASGD state in
-        ``<save_dir>/<tag>/easgd_rank<r>.pt``."""
-        tag = tag_to_save(self, tag)
+    def _states_to_save(self) -> dict[str, Any]:
+        """This rank's weights, optimizer and EASGD state in ``<save_dir>/<tag>/easgd_rank<r>.pt``."""
         state = {
             "module": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "easgd": self.easgd.state_dict(),
         }
-        save_atomic(state, self._easgd_file(os.path.join(save_dir, tag)))
-        return super().save_checkpoint(save_dir, tag, client_state=client_state or {}, **kwargs)
+        return {self._easgd_file(): state, **super()._states_to_save()}
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Optional[str], Optional[dict]]:
-        """``DeepSpeedEngine.load_checkpoint``, then this rank's own weights, optimizer and EASGD state.
+    def _read_checkpoint(self, checkpoint: str) -> list[Installer]:
+        """This rank's file, checked; put back over the weights and optimizer DeepSpeed loads from rank 0's."""
+        state = self._read_rank_state(os.path.join(checkpoint, self._easgd_file()))
 
-        ``load_module_only=True`` or ``load_optimizer_states=False`` load rank 0's weights everywhere and
-        restart EASGD from them (center equal to the weights, step 0)."""
-        if kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True):
-            loaded = super().load_checkpoint(load_dir, tag, **kwargs)
-            self.easgd.restart()
-            return loaded
-        tag = tag_to_load(self, load_dir, tag)
-        if tag is None:  # no checkpoint named: DeepSpeed warns and loads nothing
-            return super().load_checkpoint(load_dir, tag, **kwargs)
-        state = self._read_rank_state(self._easgd_file(os.path.join(load_dir, tag)))
-        path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
-        if path is not None:
+        def install() -> None:
             self.module.load_state_dict(state["module"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.easgd.load_state_dict(state["easgd"])
-        return path, client_state
+
+        return [*super()._read_checkpoint(checkpoint), install]
+
+    def _load_fresh(self) -> None:
+        """``load_module_only=True`` or ``load_optimizer_states=False`` loaded rank 0's weights everywhere: EASGD
+        restarts from them (center equal to the weights, step 0)."""
+        super()._load_fresh()
+        self.easgd.restart()
 
     def _read_rank_state(self, path: str) -> dict[str, Any]:
         """This rank's EASGD file, checked (a ``ValueError`` naming the file and key otherwise)."""
         if not os.path.isfile(path):
-            saved = len(glob.glob(os.path.join(os.path.dirname(path), "easgd_rank*.pt")))
+            saved = len(glob.glob(os.path.join(os.path.dirname(path), state_file(EASGD_STATE, rank="*"))))
             if not saved:
                 raise ValueError(f"EASGD state not loaded (nothing was changed): no {path} (saved without EASGD?)")
             raise ValueError(
@@ -151,10 +144,7 @@ class EASGDEngine(DeepSpeedEngine):
                 f"each rank's weights are its own and cannot be redistributed: resume at world size {saved}, or pass "
                 f"load_optimizer_states=False to restart EASGD from rank 0's weights"
             )
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-            raise ValueError(f"{path} is not a readable EASGD state: {err}") from err
+        state = load_file(path, "EASGD state")
         if not isinstance(state, dict) or set(state) != {"module", "optimizer", "easgd"}:
             raise ValueError(f"EASGD state not loaded (nothing was changed): {path}: expected module, optimizer, easgd")
         self.easgd.check_state_dict(state["easgd"], path)
@@ -172,4 +162,4 @@ class KFACEASGDEngine(EASGDEngine, KFACEngine):
         return group
 
     def _kfac_state_file(self) -> str:
-        return f"kfac_state_rank{dist.get_rank(self.data_parallel_group)}.pt"
+        return state_file(rank=dist.get_rank(self.data_parallel_group))

@@ -26,7 +26,6 @@ All of this but the place of the step lives in :class:`KFACEngineMixin`, which
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any, Callable, Optional
 
 import deepspeed
@@ -40,14 +39,15 @@ from ..comm import all_reduce_sum_
 from ..config import KFACConfig
 from ..placement import GradientLayout
 from ..preconditioner import KFACPreconditioner
-from .files import refuse_zero_stage_change, save_atomic, tag_to_load, tag_to_save
+from .checkpointing import CheckpointMixin, Installer
+from .files import KFAC_STATE, load_file, state_file
 from .layouts import zero_layout
 
-STATE_FILE = "kfac_state.pt"
+STATE_FILE = state_file()
 """K-FAC's state in a checkpoint: ``<save_dir>/<tag>/kfac_state.pt``, beside DeepSpeed's files."""
 
 
-class KFACEngineMixin:
+class KFACEngineMixin(CheckpointMixin):
     """What every K-FAC engine adds to its DeepSpeed engine class: the preconditioner (:attr:`kfac`), the
     precondition-step-finish/restore sequence around the engine's model step (:meth:`_kfac_step`), the check
     that preconditioning reached the gradients, monitor events, and K-FAC's state in checkpoints.
@@ -128,7 +128,7 @@ class KFACEngineMixin:
             self._write_monitor_events()
         else:
             self.kfac.restore(snapshot)
-            self.kfac.counters["skipped_steps"] += 1
+            self.kfac.health.skipped_step()
 
     def _verify_preconditioning(self) -> None:
         """Raise if a layer that has a decomposition was preconditioned on no data-parallel rank.
@@ -171,41 +171,20 @@ class KFACEngineMixin:
         self.monitor.write_events([(name, value, step) for name, value in self.kfac.metrics().items()])
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(
-        self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None, **kwargs: Any
-    ) -> Any:
-        """``DeepSpeedEngine.save_checkpoint``, with K-FAC's state in ``<save_dir>/<tag>/kfac_state.pt``
-        (:meth:`_kfac_state_file`).
-
-        The state is gathered to data-parallel rank 0 only, which writes it before DeepSpeed
-        writes anything (so before the ``latest`` file names the new tag)."""
-        tag = tag_to_save(self, tag)
+    def _states_to_save(self) -> dict[str, Any]:
+        """K-FAC's state in ``<save_dir>/<tag>/kfac_state.pt`` (:meth:`_kfac_state_file`), gathered to and written
+        by data-parallel rank 0 only (collective: every rank gathers)."""
         state = self.kfac.state_dict()
-        if state is not None:
-            save_atomic(state, os.path.join(save_dir, tag, self._kfac_state_file()))
-        return super().save_checkpoint(save_dir, tag, client_state=client_state or {}, **kwargs)
+        mine = {} if state is None else {self._kfac_state_file(): state}
+        return {**mine, **super()._states_to_save()}
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Optional[str], Optional[dict]]:
-        """``DeepSpeedEngine.load_checkpoint`` restoring K-FAC's state too.
-
-        K-FAC's state is read and checked on every rank before DeepSpeed loads anything: a state
-        that cannot be loaded (another model or method, malformed, not finite), or DeepSpeed files
-        saved at a ZeRO stage this engine cannot load (:func:`~ds_kfac.integration.files.refuse_zero_stage_change`),
-        raises a ``ValueError`` and leaves the engine (weights, optimizer, counters, K-FAC) as it was.
-        As with the optimizer, ``load_optimizer_states=False`` or ``load_module_only=True`` start
-        K-FAC fresh (e.g. BERT phase 2 from phase 1).
-        """
-        fresh = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
-        tag = tag_to_load(self, load_dir, tag)
-        if tag is not None:
-            refuse_zero_stage_change(self, os.path.join(load_dir, tag), optimizer_states=not fresh)
-        if fresh or tag is None:  # fresh K-FAC; or no checkpoint named: DeepSpeed warns and loads nothing
-            return super().load_checkpoint(load_dir, tag, **kwargs)
-        checked = self._checked_state(os.path.join(load_dir, tag))
-        path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
-        if path is not None:
-            self.kfac.load_state_dict(checked)
-        return path, client_state
+    def _read_checkpoint(self, checkpoint: str) -> list[Installer]:
+        """K-FAC's state, read and checked on every rank: a state that cannot be loaded (another model or
+        method, malformed, not finite) raises a ``ValueError``. As with the optimizer,
+        ``load_optimizer_states=False`` or ``load_module_only=True`` start K-FAC fresh (e.g. BERT phase 2 from
+        phase 1)."""
+        checked = self._checked_state(checkpoint)
+        return [*super()._read_checkpoint(checkpoint), lambda: self.kfac.load_state_dict(checked)]
 
     def _checked_state(self, checkpoint: str) -> CheckedState:
         """K-FAC's state in tag directory ``checkpoint``, read and checked against this preconditioner."""
@@ -215,12 +194,12 @@ class KFACEngineMixin:
         """The name of K-FAC's state file in a checkpoint's tag directory: ``kfac_state.pt``, or with tensor
         parallelism one per tensor-parallel rank ``r`` of ``n``, ``kfac_state_tp<r>of<n>.pt``, holding the whole
         factors of the layers that rank preconditions (those it owns under ``exact``)."""
-        return f"kfac_state{self._tensor_parallel_part()}.pt"
+        return state_file(tensor_parallel=self._tensor_parallel_rank())
 
-    def _tensor_parallel_part(self) -> str:
-        """``_tp<r>of<n>`` under tensor parallelism (``n > 1``), else ``""``: part of the state file's name."""
+    def _tensor_parallel_rank(self) -> tuple[int, int]:
+        """This rank's tensor-parallel rank and the tensor-parallel size (1 without tensor parallelism)."""
         size = bwc_tensor_model_parallel_world_size(self.mpu)
-        return f"_tp{self.mpu.get_tensor_model_parallel_rank()}of{size}" if size > 1 else ""
+        return (self.mpu.get_tensor_model_parallel_rank() if size > 1 else 0), size
 
 
 class KFACEngine(KFACEngineMixin, DeepSpeedEngine):
@@ -244,7 +223,7 @@ def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
     only)."""
     path = os.path.join(checkpoint, name)
     others = (
-        sorted(f for f in os.listdir(checkpoint) if f.startswith("kfac_state")) if os.path.isdir(checkpoint) else []
+        sorted(f for f in os.listdir(checkpoint) if f.startswith(KFAC_STATE)) if os.path.isdir(checkpoint) else []
     )
     if not os.path.isfile(path) and others:
         raise ValueError(
@@ -258,7 +237,4 @@ def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
             f"disabled, or by a ds_kfac that kept it in DeepSpeed's client_state); pass load_optimizer_states=False "
             f"to start K-FAC fresh from its weights"
         )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        raise ValueError(f"{path} is not a readable K-FAC state: {err}") from err
+    return load_file(path, "K-FAC state")

@@ -1,15 +1,50 @@
-"""Files ds_kfac keeps beside DeepSpeed's in a checkpoint's tag directory (``<save_dir>/<tag>/``): the tag
-DeepSpeed saves to or loads, an atomic write, and the ZeRO stage DeepSpeed's files were saved at."""
+"""Files ds_kfac keeps beside DeepSpeed's in a checkpoint's tag directory (``<save_dir>/<tag>/``): their names
+(:func:`state_file`), the tag DeepSpeed saves to or loads, an atomic write and a checked read, and the ZeRO stage
+DeepSpeed's files were saved at."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+
+
+KFAC_STATE = "kfac_state"
+"""The stem of K-FAC's state files."""
+
+EASGD_STATE = "easgd"
+"""The stem of EASGD's per-rank files."""
+
+
+def state_file(
+    stem: str = KFAC_STATE,
+    *,
+    stage: Optional[int] = None,
+    tensor_parallel: tuple[int, int] = (0, 1),
+    rank: Union[int, str, None] = None,
+) -> str:
+    """The name of one of ds_kfac's files in a checkpoint's tag directory,
+    ``<stem>[_pp<stage>][_tp<r>of<n>][_rank<rank>].pt``: K-FAC's state is ``kfac_state.pt``, one per pipeline
+    ``stage`` ``kfac_state_pp<stage>.pt``, one per tensor-parallel rank ``r`` of ``n > 1`` (``tensor_parallel``)
+    with ``_tp<r>of<n>``, and one per data-parallel ``rank`` under EASGD ``kfac_state_rank<r>.pt``; EASGD's own is
+    ``easgd_rank<r>.pt`` (``rank="*"``: a glob of all ranks')."""
+    parts = [stem]
+    if stage is not None:
+        parts.append(f"pp{stage}")
+    tp_rank, tp_size = tensor_parallel
+    if tp_size > 1:
+        parts.append(f"tp{tp_rank}of{tp_size}")
+    if rank is not None:
+        parts.append(f"rank{rank}")
+    return "_".join(parts) + ".pt"
+
+
+STAGE_STATE_FILE = re.compile(rf"{KFAC_STATE}_pp(\d+)(_tp\d+of\d+)?\.pt")
+"""K-FAC's state of one pipeline stage (:func:`state_file` with ``stage``); group 1 is the stage."""
 
 
 def tag_to_save(engine: DeepSpeedEngine, tag: Any) -> str:
@@ -34,6 +69,15 @@ def save_atomic(state: Any, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+def load_file(path: str, what: str) -> Any:
+    """``torch.load`` of a file ds_kfac wrote (CPU tensors, plain containers only); a ``ValueError`` saying it is
+    not a readable ``what`` when it cannot be read."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"{path} is not a readable {what}: {err}") from err
 
 
 MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")

@@ -37,9 +37,7 @@ from ..checkpoint import CheckedState
 from ..comm import all_reduce_sum_
 from ..config import KFACConfig
 from .engine import KFACEngineMixin
-
-STAGE_STATE_FILE = re.compile(r"kfac_state_pp(\d+)(_tp\d+of\d+)?\.pt")
-"""K-FAC's state of one pipeline stage in a checkpoint's tag directory."""
+from .files import STAGE_STATE_FILE, state_file
 
 
 class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
@@ -142,7 +140,7 @@ class KFACPipelineEngine(KFACEngineMixin, PipelineEngine):
     def _kfac_state_file(self) -> str:
         """``kfac_state_pp<stage>.pt``, one per stage (per stage and tensor-parallel rank with a model axis:
         ``kfac_state_pp<stage>_tp<r>of<n>.pt``)."""
-        return f"kfac_state_pp{self.stage_id}{self._tensor_parallel_part()}.pt"
+        return state_file(stage=self.stage_id, tensor_parallel=self._tensor_parallel_rank())
 
     def _checked_state(self, checkpoint: str) -> CheckedState:
         """This stage's K-FAC state, checked; a checkpoint of another number of stages, or a state that fails

@@ -19,28 +19,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .config import KFACConfig
-from .curvature.decomposition import Shape
-from .curvature.factors import finite_flags
-
-STATE_VERSION = 1
-
-METHOD_KEYS = (
-    "compute_method",
-    "eigenvalue_outer_product",
-    "eigenvalue_correction",
-    "relative_damping",
-    "conv_factors",
-    "fisher",
-    "batchnorm",
+from ..config import KFACConfig
+from ..curvature.decomposition import Shape
+from ..curvature.factors import finite_flags
+from ..curvature.refresh import factor_name
+from .record import (
+    DECOMPOSITION,
+    METHOD_KEYS,
+    OPTIONAL_KEYS,
+    REQUIRED_KEYS,
+    SHAPE,
+    STATE_VERSION,
+    layer_keys,
+    references_key,
 )
-"""Config keys that decide what a factor or decomposition holds: recorded in a checkpoint, which loads only where
-they match."""
-
-OPTIONAL_KEYS = ("refresh", "pending_decompositions")
-"""Top-level keys that a state may leave out (it then has none)."""
-
-REQUIRED_KEYS = ("version", "steps", "counters", "layers")
 
 
 class LayerLayout(NamedTuple):
@@ -152,7 +144,7 @@ def _refresh_problems(refresh: Any, layout: StateLayout) -> list[str]:
     """The adaptive-refresh schedule: ``[interval, previous_interval, next_step, refreshes]`` per factor."""
     if not isinstance(refresh, dict):
         return [f"'refresh' must be a dict of factor to schedule, got {_describe(refresh)}"]
-    expected = {f"{name}.{side}" for name, layer in layout.layers.items() for side in layer.sides}
+    expected = {factor_name((name, side)) for name, layer in layout.layers.items() for side in layer.sides}
     problems = []
     if set(refresh) != expected:
         problems.append(
@@ -194,13 +186,12 @@ def _layer_problems(
     where = f"layer {name!r}"
     if not isinstance(entry, dict):
         return [f"{where} must be a dict, got {_describe(entry)}"]
-    refs = tuple(f"{side}_refs" for side in expected.sides) if layout.adaptive else ()
-    keys = ("shape", *expected.statistics, "state", *refs)
+    keys = layer_keys(expected.statistics, expected.sides, layout.adaptive)
     problems = _key_problems(where, entry, keys, keys)
     if problems:
         return problems
     a, g = expected.a_dim, expected.g_dim
-    shape = entry["shape"]
+    shape = entry[SHAPE]
     if not (isinstance(shape, (list, tuple)) and tuple(shape) == (a, g)):
         return [f"{where}: checkpoint factors are (A, G) = {_shape_of(shape)}, this model has {(a, g)}"]
     problems = [
@@ -208,8 +199,9 @@ def _layer_problems(
         for key, shape in expected.statistics.items()
         for problem in _tensor_problems(f"{where}: {key}", entry[key], shape, tensors)
     ]
-    problems += _decomposition_problems(where, entry["state"], expected.state_shapes, expected.method, tensors)
-    for side, key in zip(expected.sides, refs):
+    problems += _decomposition_problems(where, entry[DECOMPOSITION], expected.state_shapes, expected.method, tensors)
+    for side in expected.sides if layout.adaptive else ():
+        key = references_key(side)
         pair = entry[key]
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             problems.append(f"{where}: {key} must be [last, before_last] (tensors or None), got {_describe(pair)}")
