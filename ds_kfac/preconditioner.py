@@ -42,32 +42,13 @@ from torch.distributed import ProcessGroup
 
 from .checkpoint import METHOD_KEYS, STATE_VERSION, CheckedState, LayerLayout, StateLayout, check_state
 from .collection import FactorCollector, LossScale
-from .comm import DEFAULT_BUCKET_BYTES, data_parallel_rank
+from .comm import DEFAULT_BUCKET_BYTES
 from .config import KFACConfig, resolve
-from .curvature import AdaptiveRefresh, FisherLoss, StackedStates, blocks_device, sampled_loss
+from .curvature import AdaptiveRefresh, StackedStates, blocks_device
 from .health import Health
-from .layers import SkippedLayer, find_layers
-from .placement import (
-    Distributor,
-    GradientLayout,
-    KLClip,
-    TensorParallelGradients,
-    WholeGradients,
-    blocks_of,
-    gather_work,
-    refuse_layers_differing_between_ranks,
-    split_tensor_parallel,
-    write_work,
-)
-from .preconditioning import (
-    DecompositionSchedule,
-    checked_config,
-    make_block,
-    memory_usage,
-    option_metrics,
-    refuse_tensor_parallel,
-    step_metrics,
-)
+from .layers import SkippedLayer
+from .placement import Distributor, GradientLayout, KLClip, WholeGradients, blocks_of, gather_work, write_work
+from .preconditioning import DecompositionSchedule, Reporting, SampledFisher, checked_config, register_layers
 from .state import Scalars, Snapshot, TrainingState
 from .timing import PhaseTimer
 
@@ -76,7 +57,7 @@ def _every_backward_ends_a_step() -> bool:
     return True
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(SampledFisher, Reporting):
     """K-FAC gradient preconditioning for a model's ``nn.Linear`` and ``nn.Conv2d`` layers (and, with ``batchnorm:
     "unit-wise"``, the unit-wise natural gradient of its BatchNorm layers).
 
@@ -146,29 +127,11 @@ class KFACPreconditioner:
         if boundary is None and accumulation_steps == 1:
             boundary = _every_backward_ends_a_step
         self.process_group = process_group
-        self.model_parallel_group = model_parallel_group
         self.bucket_bytes = bucket_bytes
-
-        layers, self.skipped_layers = find_layers(
-            model,
-            self.config.skip_layers,
-            self.config.max_factor_dim,
-            conv_factors=self.config.conv_factors,
-            warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
-            tensor_parallel_factors=self.config.tensor_parallel_factors,
-            batchnorm=self.config.batchnorm == "unit-wise",
-        )
-        refuse_layers_differing_between_ranks(layers, self.skipped_layers, process_group, model)
-        relays = []
-        tensor_parallel = split_tensor_parallel(layers)
-        if tensor_parallel is not None:
-            refuse_tensor_parallel(self.config, layout, process_group, exact=bool(tensor_parallel.exact))
-            layers, relays = tensor_parallel.kept, tensor_parallel.relays
-            layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
-            if model_parallel_group is None:
-                self.model_parallel_group = model_parallel_group = tensor_parallel.group
-        self.blocks = [make_block(self.config, name, adapter) for name, adapter in layers]
-        self.layout = layout or WholeGradients()
+        registered = register_layers(model, self.config, process_group, layout, model_parallel_group)
+        self.skipped_layers, self.blocks = registered.skipped, registered.blocks
+        self.model_parallel_group = registered.model_parallel_group
+        self.layout = registered.layout or WholeGradients()
         """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
         holders = self.layout.block_holders(self.blocks)
         self.distributor = Distributor(self.blocks, self.config, process_group, bucket_bytes, holders)
@@ -195,7 +158,7 @@ class KFACPreconditioner:
             accumulation_steps=accumulation_steps,
             loss_scale=loss_scale,
             last_micro_batch=boundary if self.config.overlap_factor_comm else None,
-            relays=relays,
+            relays=registered.relays,
             factor_micro_batches=self.config.factor_micro_batches,
             micro_batch=micro_batch,
             sampled=self.config.fisher == "sampled",
@@ -229,48 +192,6 @@ class KFACPreconditioner:
         self.distributor.discard_statistics()
         self.collector.discard()
 
-    # ------------------------------------------------------------ sampled Fisher
-    def sample_fisher(
-        self,
-        output: torch.Tensor,
-        loss: FisherLoss = "cross_entropy",
-        labels: Optional[torch.Tensor] = None,
-        ignore_index: int = -100,
-        generator: Optional[torch.Generator] = None,
-    ) -> bool:
-        """With ``fisher: "sampled"``, take this micro-batch's factors from a loss whose targets are sampled from the
-        model's predictive distribution (SP-NGD's one-sample Fisher); call it after the forward pass, before the
-        training loss's backward (``engine.backward(loss)``), on every micro-batch.
-
-        On the micro-batches that gather factors it samples the targets (:func:`~ds_kfac.curvature.fisher.sampled_loss`:
-        ``output`` the model's logits for ``"cross_entropy"``, its prediction for ``"mse"``; ``labels`` leave out
-        the positions the training loss ignores) and back-propagates that loss to the registered layers' outputs
-        only, keeping the graph: every ``.grad`` stays what the training loss makes it. Elsewhere (other steps,
-        ``fisher: "empirical"``, evaluation) it does nothing. Returns whether it ran a backward pass.
-
-        ``generator``: the sampling's random numbers; by default a generator seeded from the step, the number of
-        sampled passes in it and the global rank, so a run (and one resumed from a checkpoint) samples the same
-        targets."""
-        if not self.collector.sampled or not self.collector.collecting:
-            return False
-
-        def scaled(detached: torch.Tensor) -> torch.Tensor:
-            """The sampled loss, scaled as the training loss (divided by the accumulation, times the loss scale),
-            which the hooks undo."""
-            scale = self.collector.loss_scale() if self.collector.loss_scale is not None else 1.0
-            sampler = generator if generator is not None else self._sampling_generator(output.device)
-            return sampled_loss(detached, loss, sampler, labels, ignore_index) * (scale / self.accumulation_steps)
-
-        with self.timer.phase("sampled_backward"):
-            return self.collector.sampled_backward(output, scaled)
-
-    def _sampling_generator(self, device: torch.device) -> torch.Generator:
-        """A generator seeded from the step, the sampled passes so far in it and the global rank: the same targets
-        in a run and in one resumed from a checkpoint, other targets on each rank and micro-batch."""
-        rank = data_parallel_rank()  # the global rank (0 when not distributed)
-        seed = (self.steps * 4099 + self.collector.sampled_passes) * 65537 + rank
-        return torch.Generator(device).manual_seed(seed)
-
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> None:
@@ -281,8 +202,8 @@ class KFACPreconditioner:
 
     @torch.no_grad()
     def precondition_gradients(self) -> bool:
-        """Stages 2-8 of the flow (the module docstring) for the step in progress, without advancing the step
-        counter.
+        """The step in progress as the pipeline of the module docstring (stages 2-8; the hooks ran stage 1),
+        without advancing the step counter.
 
         Returns whether it ran: a step with no backward through any registered layer since the
         last one (``step()`` called twice) would precondition the same gradients again, so it is
@@ -290,26 +211,27 @@ class KFACPreconditioner:
         if not self.collector.backward_seen:
             return self._no_backward()
         self._count_sampled_passes()
-        self.update_curvature()  # reduce, decompose
+        self.update_curvature()  # 1-3: the hooks' factors reduced and folded in; decompositions as scheduled
         s = self.steps
-        work = gather_work(self.layout, self.blocks, self.distributor)  # gather gradients
+        work = gather_work(self.layout, self.blocks, self.distributor)  # 4: gather gradients
         mine = [w for w in work if w.grad_worker]
-        self.preconditioned = tuple(w.block.name for w in mine if w.block.state is not None)
-        if self._stacks.stale(blocks_of(mine)):
+        blocks = blocks_of(mine)
+        self.preconditioned = tuple(b.name for b in blocks if b.state is not None)
+        if self._stacks.stale(blocks):
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
-                self._stacks.prepare(blocks_of(mine))
+                self._stacks.prepare(blocks)
         with self.timer.phase("precondition"):
             damping = self.config.at("damping", s)
             graft = self.config.grafting == "gradient"
-            results = self._stacks.precondition(blocks_of(mine), [w.grad for w in mine], damping, graft)
+            results = self._stacks.precondition(blocks, [w.grad for w in mine], damping, graft)  # 5: precondition
             for w, result in zip(mine, results):
                 w.result = result
-            if self.config.kl_clip is not None:  # clip
+            if self.config.kl_clip is not None:  # 6: clip
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
                 self.state.scalars.last_nu = self.kl_clip.clip(work, self.config.at("kl_clip", s), lr)
-            if not self.layout.sharded:  # share (sharded: each rank writes what it holds, so nothing is shared)
+            if not self.layout.sharded:  # 7: share (sharded: each rank writes what it holds, so nothing is shared)
                 self.distributor.share_preconditioned(work)
-            write_work(self.layout, work)  # write
+            write_work(self.layout, work)  # 8: write
         return True
 
     @torch.no_grad()
@@ -324,14 +246,9 @@ class KFACPreconditioner:
         """Stage 2: average the step's factors of the layers whose hooks fired on every rank, and fold them in;
         report (once) and reset the layers whose hooks did not fire."""
         with self.timer.phase("factor_comm"):
-            present = self.distributor.agree_present(self.blocks)
-            missing = [b for b, ok in zip(self.blocks, present) if not ok]
-            for b in missing:
-                for stat in b.statistics().values():
-                    stat.discard_step()
+            ready, missing = self.distributor.agree_present(self.blocks)
             if missing:
-                self.health.missing_layers([b.name for b in missing])
-            ready = [b for b, ok in zip(self.blocks, present) if ok]
+                self.health.missing_layers(missing)
             self.state.scalars.seen |= {b.name for b in ready}
             reduced = self.distributor.reduce_factors(ready)
         with self.timer.phase("factors"):
@@ -341,20 +258,6 @@ class KFACPreconditioner:
         unanswered = self.collector.unanswered()
         if unanswered:
             self.health.unanswered_forwards(unanswered)
-
-    def _count_sampled_passes(self) -> None:
-        """With ``fisher: "sampled"``, count the step's sampled passes; refuse a factor step without any."""
-        if not (self.collector.sampled and self.collector.collecting):
-            return
-        if not self.collector.sampled_passes:
-            raise RuntimeError(
-                f'K-FAC step {self.steps} updates factors with fisher="sampled", but no sampled backward pass reached '
-                f"a registered layer: call kfac.sample_fisher(logits, loss) after each forward pass, before the "
-                f"training loss's backward, in training mode (not with reentrant activation checkpointing, whose "
-                f"layer outputs it cannot reach)"
-            )
-        self.counters["sampled_factor_steps"] += 1
-        self.counters["sampled_passes"] += self.collector.sampled_passes
 
     def _no_backward(self) -> bool:
         """A step that no registered layer's backward preceded: refuse a model whose hooks never ran although
@@ -389,41 +292,6 @@ class KFACPreconditioner:
         self.state.restore(snap)
         self.discard_step_statistics()
         self._arm_hooks()
-
-    @property
-    def timings(self) -> dict[str, float]:
-        """Seconds per phase since the last ``timings.clear()`` (see :mod:`ds_kfac.timing`)."""
-        return self.timer.seconds
-
-    # ------------------------------------------------------------ inspection
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank, by category: running factors, decompositions, the
-        accumulators of the step in progress (independent of the number of micro-batches),
-        the factor snapshots adaptive refresh compares against (on the decomposing rank), and
-        what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers) and, with
-        ``eigenvalue_correction``, the running corrections ``S`` (on gradient workers; their step accumulators
-        count as accumulators)."""
-        return memory_usage(self.config, self.blocks, self._stacks, self.refresh)
-
-    def metrics(self) -> dict[str, float]:
-        """K-FAC's scalars by name, for a training log: ``kfac/steps``, ``kfac/nu`` (with ``kl_clip``),
-        ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`), the curvature
-        options (:meth:`option_metrics`) and, with adaptive refresh, ``kfac/interval/<layer>.<A/G>``. DeepSpeed's
-        monitor and ``ds_kfac.hf.KFACTrainer`` both write these."""
-        options = self.option_metrics()
-        return step_metrics(self.steps, self.last_nu, self.timings, self.counters, self.refresh, options)
-
-    def option_metrics(self) -> dict[str, float]:
-        """Which curvature options the run uses and how many of this rank's blocks they reach (the same on every
-        data-parallel rank), so that a training log says what it measured: ``kfac/option/fisher_sampled``,
-        ``kfac/option/eigenvalue_correction`` and ``kfac/option/batchnorm_unit_wise`` (1 on, 0 off), and the
-        registered blocks ``kfac/blocks/kronecker`` (Linear and Conv2d), ``kfac/blocks/eigenvalue_corrected`` (those
-        of them with a correction ``S``) and ``kfac/blocks/unit_wise`` (BatchNorm)."""
-        return option_metrics(self.config, self.blocks)
-
-    @property
-    def layer_names(self) -> list[str]:
-        return [b.name for b in self.blocks]
 
     def remove_hooks(self) -> None:
         self.collector.remove()

@@ -72,21 +72,25 @@ class FactorReduction(Roles):
         stats = block.statistics()
         return all(stats[side].pending > 0 for side in block.sides) or self.handed_over(block)
 
-    def agree_present(self, blocks: Sequence[CurvatureBlock]) -> list[bool]:
-        """Per block, whether its hooks fired this step on every rank that collects it (in ``local`` mode only
-        its owner does): one all-reduce of the counts, so that all ranks reduce the same layers. Raises when
-        they fired on some ranks only."""
+    def agree_present(self, blocks: Sequence[CurvatureBlock]) -> tuple[list[CurvatureBlock], list[str]]:
+        """The blocks whose hooks fired this step on every rank that collects them (in ``local`` mode only
+        their owner), agreed on in one all-reduce so that all ranks reduce the same layers, and the names of
+        the others, whose step statistics are dropped. Raises when hooks fired on some ranks only."""
         present = [self.has_statistics(b) for b in blocks]
-        if self.world == 1:
-            return present
-        counts = torch.tensor(present, dtype=torch.int32, device=blocks_device(blocks))
-        all_reduce_sum_([counts], self.group)
-        expected = 1 if self.config.factor_reduction == "local" else self.world
-        counts = counts.tolist()
-        partial_names = [b.name for b, c in zip(blocks, counts) if 0 < c < expected]
-        if partial_names:
-            raise RuntimeError(f"K-FAC hooks fired on some data-parallel ranks but not others for {partial_names}")
-        return [c == expected for c in counts]
+        if self.world > 1:
+            counts = torch.tensor(present, dtype=torch.int32, device=blocks_device(blocks))
+            all_reduce_sum_([counts], self.group)
+            expected = 1 if self.config.factor_reduction == "local" else self.world
+            counts = counts.tolist()
+            partial_names = [b.name for b, c in zip(blocks, counts) if 0 < c < expected]
+            if partial_names:
+                raise RuntimeError(f"K-FAC hooks fired on some data-parallel ranks but not others for {partial_names}")
+            present = [c == expected for c in counts]
+        for b, ok in zip(blocks, present):
+            if not ok:
+                for stat in b.statistics().values():
+                    stat.discard_step()
+        return [b for b, ok in zip(blocks, present) if ok], [b.name for b, ok in zip(blocks, present) if not ok]
 
     def discard_statistics(self) -> None:
         """Drop this step's factors, including any already handed to the reduction."""

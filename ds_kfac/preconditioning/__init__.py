@@ -1,16 +1,18 @@
 """The parts of :class:`~ds_kfac.KFACPreconditioner` around its step: building it, scheduling
-decompositions, and reporting."""
+decompositions, the sampled Fisher's pass, and reporting."""
 
-from .build import checked_config, make_block, refuse_tensor_parallel
-from .metrics import memory_usage, option_metrics, step_metrics
+from .build import Registered, checked_config, make_block, refuse_tensor_parallel, register_layers
+from .fisher import SampledFisher
+from .metrics import Reporting
 from .schedule import DecompositionSchedule
 
 __all__ = [
     "DecompositionSchedule",
+    "Registered",
+    "Reporting",
+    "SampledFisher",
     "checked_config",
     "make_block",
-    "memory_usage",
-    "option_metrics",
     "refuse_tensor_parallel",
-    "step_metrics",
+    "register_layers",
 ]

@@ -1,18 +1,25 @@
-"""What :class:`~ds_kfac.KFACPreconditioner` builds from its arguments: the checked config, each layer's
-curvature block, and the refusals of what its setup cannot run."""
+"""What :class:`~ds_kfac.KFACPreconditioner` builds from its arguments: the checked config, the registered
+layers and their curvature blocks, and the refusals of what its setup cannot run."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm import data_parallel_world
+from ..comm import data_parallel_rank, data_parallel_world
 from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock, KFACBlock, UnitWiseBlock, UnitWiseInverse, method_for
-from ..layers import BatchNormAdapter, LayerAdapter
-from ..placement import GradientLayout
+from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
+from ..placement import (
+    GradientLayout,
+    TensorParallelGradients,
+    refuse_layers_differing_between_ranks,
+    split_tensor_parallel,
+)
 
 
 def checked_config(
@@ -41,6 +48,51 @@ def checked_config(
             f"know which micro-batches are the last {subset}"
         )
     return config
+
+
+@dataclass
+class Registered:
+    """The layers K-FAC preconditions on this rank, and what tensor-parallel layers change."""
+
+    blocks: list[CurvatureBlock]
+    skipped: list[SkippedLayer]
+    relays: list[LayerAdapter]
+    """Tensor-parallel layers whose factors another rank of their group holds."""
+    layout: Optional[GradientLayout]
+    """The given layout, or the tensor-parallel layers' own."""
+    model_parallel_group: Optional[ProcessGroup]
+    """The given group, or, where ``None``, the tensor-parallel layers' group."""
+
+
+def register_layers(
+    model: nn.Module,
+    config: KFACConfig,
+    process_group: Optional[ProcessGroup],
+    layout: Optional[GradientLayout],
+    model_parallel_group: Optional[ProcessGroup],
+) -> Registered:
+    """Find the model's layers, check that every data-parallel rank registers the same ones (collective), and
+    build their blocks; tensor-parallel layers bring their own layout and group."""
+    layers, skipped = find_layers(
+        model,
+        config.skip_layers,
+        config.max_factor_dim,
+        conv_factors=config.conv_factors,
+        warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
+        tensor_parallel_factors=config.tensor_parallel_factors,
+        batchnorm=config.batchnorm == "unit-wise",
+    )
+    refuse_layers_differing_between_ranks(layers, skipped, process_group, model)
+    relays = []
+    tensor_parallel = split_tensor_parallel(layers)
+    if tensor_parallel is not None:
+        refuse_tensor_parallel(config, layout, process_group, exact=bool(tensor_parallel.exact))
+        layers, relays = tensor_parallel.kept, tensor_parallel.relays
+        layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
+        if model_parallel_group is None:
+            model_parallel_group = tensor_parallel.group
+    blocks = [make_block(config, name, adapter) for name, adapter in layers]
+    return Registered(blocks, skipped, relays, layout, model_parallel_group)
 
 
 def make_block(config: KFACConfig, name: str, adapter: LayerAdapter) -> CurvatureBlock:
