@@ -211,7 +211,7 @@ class KFACPreconditioner(SampledFisher, Reporting):
         if not self.collector.backward_seen:
             return self._no_backward()
         self._count_sampled_passes()
-        self.update_curvature()  # 1-3: the hooks' factors reduced and folded in; decompositions as scheduled
+        self.update_curvature()  # 2-3: reduce the factors the hooks collected (1), decompose as scheduled
         s = self.steps
         work = gather_work(self.layout, self.blocks, self.distributor)  # 4: gather gradients
         mine = [w for w in work if w.grad_worker]

@@ -17,7 +17,8 @@ import torch
 from ..comm import all_reduce_sum_, broadcast_
 from ..curvature import CurvatureBlock, blocks_device
 from ..curvature.decomposition import State
-from .roles import Key, Roles
+from ..curvature.refresh import Key
+from .roles import Roles
 
 Sides = dict[Key, State]
 """Decomposed sides by (layer, side)."""

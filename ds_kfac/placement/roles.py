@@ -17,8 +17,6 @@ from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock
 from .plan import PlacementPlan
 
-Key = tuple[str, str]  # (layer name, side: "A" or "G"; "F" for a unit-wise block)
-
 
 class Roles:
     """One rank's roles under the plan of ``blocks`` (built identically on every rank; creating its process
