@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup
 
 from .checkpoint import METHOD_KEYS, STATE_VERSION, CheckedState, LayerLayout, StateLayout, check_state
 from .collection import FactorCollector, LossScale
-from .comm import DEFAULT_BUCKET_BYTES
+from .comm import DEFAULT_BUCKET_BYTES, data_parallel_rank
 from .config import KFACConfig, resolve
 from .curvature import AdaptiveRefresh, StackedStates, blocks_device
 from .health import Health
@@ -128,7 +128,8 @@ class KFACPreconditioner(SampledFisher, Reporting):
             boundary = _every_backward_ends_a_step
         self.process_group = process_group
         self.bucket_bytes = bucket_bytes
-        registered = register_layers(model, self.config, process_group, layout, model_parallel_group)
+        warn = data_parallel_rank(process_group) == 0  # no layer registered, tied layers: said once, by rank 0
+        registered = register_layers(model, self.config, process_group, layout, model_parallel_group, warn)
         self.skipped_layers, self.blocks = registered.skipped, registered.blocks
         self.model_parallel_group = registered.model_parallel_group
         self.layout = registered.layout or WholeGradients()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm import data_parallel_rank, data_parallel_world
+from ..comm import data_parallel_world
 from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock, KFACBlock, UnitWiseBlock, UnitWiseInverse, method_for
 from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
@@ -70,15 +70,17 @@ def register_layers(
     process_group: Optional[ProcessGroup],
     layout: Optional[GradientLayout],
     model_parallel_group: Optional[ProcessGroup],
+    warn: bool,
 ) -> Registered:
-    """Find the model's layers, check that every data-parallel rank registers the same ones (collective), and
-    build their blocks; tensor-parallel layers bring their own layout and group."""
+    """Find the model's layers (``warn``: say what was not registered), check that every data-parallel rank
+    registers the same ones (collective), and build their blocks; tensor-parallel layers bring their own layout
+    and group."""
     layers, skipped = find_layers(
         model,
         config.skip_layers,
         config.max_factor_dim,
         conv_factors=config.conv_factors,
-        warn=data_parallel_rank(process_group) == 0,  # no layer registered, tied layers: said once, by rank 0
+        warn=warn,
         tensor_parallel_factors=config.tensor_parallel_factors,
         batchnorm=config.batchnorm == "unit-wise",
     )
