@@ -86,16 +86,16 @@ def load_state_dict(kfac: KFACPreconditioner, state: Union[dict[str, Any], Check
         device = b.adapter.module.weight.device
         for key, stat in b.statistics().items():
             value = record.statistics[key]
-            kept = distributor.keeps(b, key) and value is not None
+            kept = distributor.stores_factor(b, key) and value is not None
             stat.value = value.to(device, factor_dtype) if kept else None
-        held = distributor.holds_state(b) and record.decomposition is not None
+        held = distributor.holds_decomposition(b) and record.decomposition is not None
         b.state = tuple(t.to(device, inv_dtype) for t in record.decomposition) if held else None
     kfac.discard_step_statistics()
     if kfac.refresh is not None:
         kfac.refresh.load_state_dict(state["refresh"])
         device = blocks_device(kfac.blocks)
         for (name, side), f in kfac.refresh.factors.items():
-            refs = records[name].references[side] if distributor.holds(name, side) else (None, None)
+            refs = records[name].references[side] if distributor.decomposes(name, side) else (None, None)
             f.last, f.before_last = (None if t is None else t.to(device, factor_dtype) for t in refs)
     kfac.state.scalars = Scalars(
         steps=state["steps"],
@@ -104,5 +104,5 @@ def load_state_dict(kfac: KFACPreconditioner, state: Union[dict[str, Any], Check
     )
     pending = state.get("pending_decompositions")
     if pending is not None:
-        kfac._run_in_background(pending["started"], pending["install_at"])
+        kfac.schedule.run_in_background(pending["started"], pending["install_at"])
     kfac._arm_hooks()

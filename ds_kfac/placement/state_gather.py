@@ -62,13 +62,13 @@ def _state_entries(d: Distributor, name: str, record: LayerRecord) -> list[_Stat
     # (record field, side, ranks holding it, designated rank, its tensors' shapes, their dtype)
     where: list[tuple[str, Optional[str], Sequence[int], int, list[Shape], torch.dtype]] = []
     for side in record.statistics:
-        designated = d.worker(name, side) if side in block.sides else p.a_worker
-        where.append(("statistics", side, d._keepers(name, side), designated, [stats[side].shape], factor))
+        designated = d.decomposer(name, side) if side in block.sides else p.a_worker
+        where.append(("statistics", side, d._factor_stores(name, side), designated, [stats[side].shape], factor))
     shapes = [s for v in block.side_shapes().values() for s in v]
-    where.append(("decomposition", None, d.state_holders(block), p.a_worker, shapes, inv))
+    where.append(("decomposition", None, d.decomposition_holders(block), p.a_worker, shapes, inv))
     for side in record.references:  # adaptive refresh's references, on the decomposing rank
-        worker = d.worker(name, side)
-        where.append(("references", side, (worker,), worker, [stats[side].shape] * 2, factor))
+        decomposer = d.decomposer(name, side)
+        where.append(("references", side, (decomposer,), decomposer, [stats[side].shape] * 2, factor))
     return [
         _StateEntry(name, part, side, SAVER if SAVER in holders else designated, shapes, dtype)
         for part, side, holders, designated, shapes, dtype in where

@@ -1,0 +1,109 @@
+"""What one rank does under a placement plan: which layers it collects, decomposes, stores and preconditions.
+
+:class:`Roles` builds the :class:`~ds_kfac.placement.plan.PlacementPlan` and the process groups it needs,
+and answers every "does this rank ..." question from them; the classes that move data
+(:mod:`~ds_kfac.placement.factors`, :mod:`~ds_kfac.placement.decompositions`,
+:mod:`~ds_kfac.placement.distributor`) build on it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch.distributed import ProcessGroup
+
+from ..comm import RankGroups, data_parallel_world
+from ..config import KFACConfig, KFACConfigError
+from ..curvature import CurvatureBlock
+from .plan import PlacementPlan
+
+
+class Roles:
+    """One rank's roles under the plan of ``blocks`` (built identically on every rank; creating its process
+    groups is collective over ``group``)."""
+
+    def __init__(
+        self,
+        blocks: Sequence[CurvatureBlock],
+        config: KFACConfig,
+        group: Optional[ProcessGroup],
+        bucket_bytes: int,
+        holders: Optional[dict[str, tuple[int, ...]]] = None,
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.world = data_parallel_world(group)
+        # Blocks are their own placement shapes (a name and each side's cost); blocks with one side are colocated.
+        colocate = config.factor_reduction == "local" or any(b.colocated for b in blocks if len(b.sides) > 1)
+        self.plan = PlacementPlan(blocks, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
+        self.reduces = self.world > 1 and config.factor_reduction != "local"
+        """Whether factors are reduced over ranks (not ``local``, more than one rank)."""
+        self.overlap = self.reduces and config.overlap_factor_comm
+        self.bases_everywhere = config.eigenvalue_correction and self.reduces and not self.plan.replicated
+        """Whether every rank holds every decomposition: it projects its examples' gradients on the eigenbases."""
+        self._refuse_local_correction()
+        sets = self.plan.broadcast_sets() + ([tuple(range(self.world))] if self.bases_everywhere else [])
+        self.groups = RankGroups(sets, group, self.overlap) if self.world > 1 else None
+        self.rank = self.groups.rank if self.groups else 0
+        self._blocks = {b.name: b for b in blocks}
+
+    def _refuse_local_correction(self) -> None:
+        """With ``factor_reduction: "local"`` a layer's owner computes ``S`` from its own examples and sends it
+        nowhere, so the layer must have no other gradient worker."""
+        if not (self.config.eigenvalue_correction and self.config.factor_reduction == "local"):
+            return
+        shared = sorted(name for name, p in self.plan.layers.items() if len(p.grad_workers) > 1)
+        if shared:
+            raise KFACConfigError(
+                f'kfac.eigenvalue_correction with kfac.factor_reduction="local" needs one gradient worker per layer '
+                f'(grad_worker_fraction="mem-opt", no layer split between ZeRO partitions): the owner computes S '
+                f"from its own examples and does not send it, yet layers {shared} have several gradient workers"
+            )
+
+    def collects(self, block: CurvatureBlock) -> bool:
+        """Whether this rank's hooks compute the layer's factors (``local``: its owner only)."""
+        return self.config.factor_reduction != "local" or self.rank == self.plan.layers[block.name].a_worker
+
+    def is_grad_worker(self, block: CurvatureBlock) -> bool:
+        return self.plan.is_grad_worker(block.name, self.rank)
+
+    def grad_workers(self, block: CurvatureBlock) -> tuple[int, ...]:
+        """The data-parallel ranks that precondition the layer."""
+        return self.plan.layers[block.name].grad_workers
+
+    def decomposition_holders(self, block: CurvatureBlock) -> tuple[int, ...]:
+        """The data-parallel ranks that hold the layer's decomposition: its gradient workers, or every rank
+        (:attr:`bases_everywhere`)."""
+        return tuple(range(self.world)) if self.bases_everywhere else self.grad_workers(block)
+
+    def holds_decomposition(self, block: CurvatureBlock) -> bool:
+        return self.rank in self.decomposition_holders(block)
+
+    def decomposer(self, name: str, side: str) -> int:
+        """The rank that decomposes statistic ``side`` of layer ``name``: the placement's ``a_worker`` for the
+        block's first side, its ``g_worker`` for a second."""
+        placement = self.plan.layers[name]
+        return placement.a_worker if side == self._blocks[name].sides[0] else placement.g_worker
+
+    def decomposes(self, name: str, side: str) -> bool:
+        """Whether this rank decomposes factor ``side`` of layer ``name`` (and so tracks its refresh)."""
+        return self.rank == self.decomposer(name, side)
+
+    def stores_factor(self, block: CurvatureBlock, side: str) -> bool:
+        """Whether this rank stores the running statistic ``side`` ("A", "G", "S") of the layer."""
+        return self.rank in self._factor_stores(block.name, side)
+
+    def _factor_stores(self, name: str, side: str) -> tuple[int, ...]:
+        """The ranks storing the running statistic ``side`` of layer ``name`` (``S``: the gradient workers)."""
+        if self.config.factor_reduction == "allreduce" or side not in self._blocks[name].sides:
+            return self.plan.layers[name].grad_workers
+        return (self.decomposer(name, side),)
+
+    def counts_in_kl_sum(self, block: CurvatureBlock) -> bool:
+        """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
+        return self.plan.replicated or self.rank == self.plan.layers[block.name].a_worker
+
+    def _decomposer_global(self, block: CurvatureBlock, side: str) -> int:
+        """The global rank of :meth:`decomposer` (the source or destination of a collective)."""
+        return self.groups.to_global(self.decomposer(block.name, side))

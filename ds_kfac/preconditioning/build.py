@@ -1,0 +1,132 @@
+"""What :class:`~ds_kfac.KFACPreconditioner` builds from its arguments: the checked config, the registered
+layers and their curvature blocks, and the refusals of what its setup cannot run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm import data_parallel_world
+from ..config import KFACConfig, KFACConfigError
+from ..curvature import CurvatureBlock, KFACBlock, UnitWiseBlock, UnitWiseInverse, method_for
+from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
+from ..placement import (
+    GradientLayout,
+    TensorParallelGradients,
+    refuse_layers_differing_between_ranks,
+    split_tensor_parallel,
+)
+
+
+def checked_config(
+    config: Union[KFACConfig, dict[str, Any], None],
+    keys: dict[str, Any],
+    optimizer: Optional[torch.optim.Optimizer],
+    lr: Union[float, Callable[[int], float], None],
+    accumulation_steps: int,
+    micro_batch: Optional[Callable[[], int]],
+) -> KFACConfig:
+    """The ``"kfac"`` section from ``config`` or ``keys``, checked with the arguments it needs."""
+    if isinstance(config, KFACConfig):
+        if keys:
+            raise KFACConfigError("pass either a KFACConfig or keyword keys, not both")
+    else:
+        config = KFACConfig.parse({**(config or {}), **keys}, where="KFACPreconditioner")
+    if config.kl_clip is not None and optimizer is None and lr is None:
+        raise KFACConfigError("kl_clip needs the learning rate: pass optimizer= or lr= (or set kl_clip=None)")
+    if accumulation_steps < 1:
+        raise KFACConfigError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    subset = config.factor_micro_batches
+    if subset is not None and subset < accumulation_steps and micro_batch is None:
+        raise KFACConfigError(
+            f"factor_micro_batches={subset} with accumulation_steps={accumulation_steps}: pass micro_batch= "
+            f"(a callable giving the 0-based index in the step of the micro-batch being run), so the hooks "
+            f"know which micro-batches are the last {subset}"
+        )
+    return config
+
+
+@dataclass
+class Registered:
+    """The layers K-FAC preconditions on this rank, and what tensor-parallel layers change."""
+
+    blocks: list[CurvatureBlock]
+    skipped: list[SkippedLayer]
+    relays: list[LayerAdapter]
+    """Tensor-parallel layers whose factors another rank of their group holds."""
+    layout: Optional[GradientLayout]
+    """The given layout, or the tensor-parallel layers' own."""
+    model_parallel_group: Optional[ProcessGroup]
+    """The given group, or, where ``None``, the tensor-parallel layers' group."""
+
+
+def register_layers(
+    model: nn.Module,
+    config: KFACConfig,
+    process_group: Optional[ProcessGroup],
+    layout: Optional[GradientLayout],
+    model_parallel_group: Optional[ProcessGroup],
+    warn: bool,
+) -> Registered:
+    """Find the model's layers (``warn``: say what was not registered), check that every data-parallel rank
+    registers the same ones (collective), and build their blocks; tensor-parallel layers bring their own layout
+    and group."""
+    layers, skipped = find_layers(
+        model,
+        config.skip_layers,
+        config.max_factor_dim,
+        conv_factors=config.conv_factors,
+        warn=warn,
+        tensor_parallel_factors=config.tensor_parallel_factors,
+        batchnorm=config.batchnorm == "unit-wise",
+    )
+    refuse_layers_differing_between_ranks(layers, skipped, process_group, model)
+    relays = []
+    tensor_parallel = split_tensor_parallel(layers)
+    if tensor_parallel is not None:
+        refuse_tensor_parallel(config, layout, process_group, exact=bool(tensor_parallel.exact))
+        layers, relays = tensor_parallel.kept, tensor_parallel.relays
+        layout = TensorParallelGradients(tensor_parallel.exact, tensor_parallel.group)
+        if model_parallel_group is None:
+            model_parallel_group = tensor_parallel.group
+    blocks = [make_block(config, name, adapter) for name, adapter in layers]
+    return Registered(blocks, skipped, relays, layout, model_parallel_group)
+
+
+def make_block(config: KFACConfig, name: str, adapter: LayerAdapter) -> CurvatureBlock:
+    """The curvature block of a registered layer: unit-wise for BatchNorm, Kronecker-factored otherwise."""
+    factor_dtype, inv_dtype = config.factor_torch_dtype, config.inv_torch_dtype
+    if isinstance(adapter, BatchNormAdapter):
+        return UnitWiseBlock(name, adapter, UnitWiseInverse(config.relative_damping), factor_dtype, inv_dtype)
+    return KFACBlock(
+        name, adapter, method_for(config), factor_dtype, inv_dtype, eigenvalue_correction=config.eigenvalue_correction
+    )
+
+
+def refuse_tensor_parallel(
+    config: KFACConfig, layout: Optional[GradientLayout], process_group: Optional[ProcessGroup], exact: bool
+) -> None:
+    """Refuse what tensor-parallel layers cannot run with, naming it."""
+    problems = []
+    if layout is not None:
+        problems.append(
+            f"gradient layout {type(layout).__name__} (ZeRO stage 1-3): tensor-parallel layers need each "
+            f"shard's whole gradient (ZeRO stage 0)"
+        )
+    if process_group is None and data_parallel_world() > 1:
+        problems.append(
+            "process_group=None: pass the data-parallel group (megatron.core.parallel_state."
+            "get_data_parallel_group()), over which factors are averaged"
+        )
+    if exact and config.factor_reduction == "local":
+        problems.append('factor_reduction="local" with tensor_parallel_factors="exact"')
+    if config.eigenvalue_correction:
+        problems.append("eigenvalue_correction (per-example gradients of sharded layers are not gathered)")
+    if config.fisher == "sampled":
+        problems.append('fisher="sampled" (the sharded layers\' rows travel in every backward pass)')
+    if problems:
+        raise KFACConfigError("K-FAC with tensor-parallel layers does not support: " + "; ".join(problems))
