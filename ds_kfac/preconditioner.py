@@ -217,7 +217,7 @@ class KFACPreconditioner(SampledFisher, Reporting):
         work = gather_work(self.layout, self.blocks, self.distributor)  # 4: gather gradients
         mine = [w for w in work if w.grad_worker]
         blocks = blocks_of(mine)
-        self.preconditioned = tuple(b.name for b in blocks if b.state is not None)
+        self.preconditioned = tuple(b.name for b in blocks if b.decomposition is not None)
         if self._stacks.stale(blocks):
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
                 self._stacks.prepare(blocks)
@@ -293,9 +293,6 @@ class KFACPreconditioner(SampledFisher, Reporting):
         self.state.restore(snap)
         self.discard_step_statistics()
         self._arm_hooks()
-
-    def remove_hooks(self) -> None:
-        self.collector.remove()
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> Optional[dict[str, Any]]:

@@ -67,7 +67,7 @@ class TrainingState:
         s = self.scalars
         return Snapshot(
             scalars=dataclasses.replace(s, counters=defaultdict(int, s.counters)),
-            blocks=[({k: stat.value for k, stat in b.statistics().items()}, b.state) for b in self.blocks],
+            blocks=[({k: stat.value for k, stat in b.statistics().items()}, b.decomposition) for b in self.blocks],
             refresh=self.refresh.snapshot() if self.refresh is not None else None,
         )
 
@@ -75,7 +75,7 @@ class TrainingState:
         for b, (values, state) in zip(self.blocks, snap.blocks):
             for k, stat in b.statistics().items():
                 stat.value = values[k]
-            b.state = state
+            b.decomposition = state
         self.scalars = dataclasses.replace(snap.scalars, counters=defaultdict(int, snap.scalars.counters))
         if self.refresh is not None:
             self.refresh.restore(snap.refresh)

@@ -52,11 +52,11 @@ def test_preconditioner_refreshes_on_the_adaptive_schedule() -> None:
     kfac = KFACPreconditioner(model, lr=0.0, inv_update_steps="adaptive", factor_decay=0.0)
     refreshed = []
     for step in range(14):
-        before = kfac.blocks[0].state
+        before = kfac.blocks[0].decomposition
         model.zero_grad()
         model(x).square().mean().backward()
         kfac.step()
-        if kfac.blocks[0].state is not before:
+        if kfac.blocks[0].decomposition is not before:
             refreshed.append(step)
     assert refreshed == [0, 1, 2, 4, 7, 12]
     assert kfac.refresh.intervals() == {"0.A": 8, "0.G": 8, "2.A": 8, "2.G": 8}

@@ -52,7 +52,7 @@ def test_async_uses_the_decompositions_of_the_stated_step() -> None:
     for step in range(STEPS):
         grads_of(sync_net, sync, step)
         if step % 4 == 0:
-            states[step] = [b.state for b in sync.blocks]
+            states[step] = [b.decomposition for b in sync.blocks]
         async_net.zero_grad()
         x, y = batch(step)
         ((async_net(x) - y) ** 2).mean().backward()

@@ -246,7 +246,7 @@ def test_update_schedule_and_running_average() -> None:
     for s in range(7):
         x = torch.randn(4, 6, dtype=torch.float64)
         step_a = ref.second_moment(ref.linear_rows(x, True))
-        old_a, old_state = block.a.value, block.state
+        old_a, old_state = block.a.value, block.decomposition
         loss_fn(model(x), torch.zeros(4, 3, dtype=torch.float64)).backward()
         kfac.step()
         opt.zero_grad()
@@ -254,7 +254,7 @@ def test_update_schedule_and_running_average() -> None:
             factor_steps.append(s)
             expected_a = step_a if expected_a is None else 0.5 * expected_a + 0.5 * step_a
             torch.testing.assert_close(block.a.value, expected_a, rtol=1e-12, atol=1e-15)
-        if block.state is not old_state:
+        if block.decomposition is not old_state:
             decomposition_steps.append(s)
     assert factor_steps == [0, 2, 4, 6]
     assert decomposition_steps == [0, 3, 6]

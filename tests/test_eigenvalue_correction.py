@@ -130,7 +130,7 @@ def test_one_example_with_one_row_is_plain_eigen(relative: bool) -> None:
 
     plain, _ = preconditioned()
     corrected, kfac = preconditioned(eigenvalue_correction=True)
-    _, va, _, vg = kfac.blocks[0].state
+    _, va, _, vg = kfac.blocks[0].decomposition
     torch.testing.assert_close(kfac.blocks[0].correction.value, torch.outer(vg, va), rtol=1e-9, atol=1e-14)
     torch.testing.assert_close(corrected[0], plain[0], rtol=0, atol=0)  # step 0: no S yet
     torch.testing.assert_close(corrected[1], plain[1], rtol=1e-9, atol=1e-14)

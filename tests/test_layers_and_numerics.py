@@ -83,7 +83,7 @@ def test_functional_path_reported_by_name() -> None:
     with pytest.warns(RuntimeWarning, match=r"did not fire.*'attention.out_proj'.*not preconditioned$"):
         kfac.step()
     assert kfac.counters["missing_layer_updates"] == 1
-    assert kfac.blocks[0].state is None  # passed through, not crashed
+    assert kfac.blocks[0].decomposition is None  # passed through, not crashed
     assert torch.equal(model.attention.out_proj.weight.grad, grad)
 
 
@@ -123,13 +123,13 @@ def _second_decomposition_with(monkeypatch: pytest.MonkeyPatch, eigh, **keys) ->
     kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=1, **keys)
     _backward(model, torch.randn(4, 3))
     kfac.step()
-    previous = kfac.blocks[0].state
+    previous = kfac.blocks[0].decomposition
     monkeypatch.setattr(torch.linalg, "eigh", eigh)
     model.zero_grad()
     _backward(model, torch.randn(4, 3))
     with pytest.warns(RuntimeWarning, match=r"could not decompose \['0'\]"):
         kfac.step()
-    assert kfac.blocks[0].state is previous
+    assert kfac.blocks[0].decomposition is previous
     assert kfac.counters["failed_decompositions"] == 1
 
 
@@ -292,7 +292,7 @@ def test_eigenvalue_outer_product_keeps_d_beside_the_eigen_state() -> None:
         if step == 0:
             cached = kfac._stacks._groups[0].cached[0]
             torch.testing.assert_close(cached, 1 / (torch.outer(vg, va) + damping), rtol=1e-4, atol=1e-6)
-    _, v_a, _, v_g = block.state
+    _, v_a, _, v_g = block.decomposition
     torch.testing.assert_close(kfac._stacks._groups[0].cached[0], 1 / (torch.outer(v_g, v_a) + 0.1))
 
 

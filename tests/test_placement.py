@@ -427,5 +427,5 @@ def test_state_dict_is_whole_on_the_saving_rank(world_runs) -> None:
         block = next(b for b in kfac.blocks if b.name == layer)
         torch.testing.assert_close(entry["A"], block.a.value, **FP32_TOL)
         torch.testing.assert_close(entry["G"], block.g.value, **FP32_TOL)
-        assert len(entry["state"]) == len(block.state)
+        assert len(entry["state"]) == len(block.decomposition)
     assert all(r["kfac"] is None for r in results[1:])

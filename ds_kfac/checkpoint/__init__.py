@@ -2,6 +2,6 @@
 before anything is installed (:mod:`.validation`)."""
 
 from .record import METHOD_KEYS, STATE_VERSION, LayerRecord
-from .validation import CheckedState, LayerLayout, StateLayout, check_state
+from .validation import CheckedState, ExpectedLayer, ExpectedState, check_state
 
-__all__ = ["METHOD_KEYS", "STATE_VERSION", "CheckedState", "LayerLayout", "LayerRecord", "StateLayout", "check_state"]
+__all__ = ["METHOD_KEYS", "STATE_VERSION", "CheckedState", "ExpectedLayer", "LayerRecord", "ExpectedState", "check_state"]

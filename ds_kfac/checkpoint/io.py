@@ -14,7 +14,7 @@ from ..curvature import blocks_device
 from ..placement.state_gather import gather_state
 from ..state import Scalars
 from .record import METHOD_KEYS, STATE_VERSION, LayerRecord
-from .validation import CheckedState, LayerLayout, StateLayout, check_state
+from .validation import CheckedState, ExpectedLayer, ExpectedState, check_state
 
 if TYPE_CHECKING:
     from ..preconditioner import KFACPreconditioner
@@ -42,7 +42,7 @@ def state_dict(kfac: KFACPreconditioner) -> Optional[dict[str, Any]]:
 
 def _local_state(kfac: KFACPreconditioner) -> dict[str, LayerRecord]:
     """This rank's view of every layer's state: references to what it holds, ``None`` elsewhere."""
-    state = {b.name: LayerRecord({k: s.value for k, s in b.statistics().items()}, b.state) for b in kfac.blocks}
+    state = {b.name: LayerRecord({k: s.value for k, s in b.statistics().items()}, b.decomposition) for b in kfac.blocks}
     if kfac.refresh is not None:
         for (name, side), f in kfac.refresh.factors.items():
             state[name].references[side] = [f.last, f.before_last]
@@ -51,13 +51,13 @@ def _local_state(kfac: KFACPreconditioner) -> dict[str, LayerRecord]:
 
 def check_state_dict(kfac: KFACPreconditioner, state: Union[dict[str, Any], CheckedState]) -> CheckedState:
     """``state`` checked against ``kfac``, changing nothing (:meth:`KFACPreconditioner.check_state_dict`)."""
-    return check_state(state, _state_layout(kfac))
+    return check_state(state, _expected_state(kfac))
 
 
-def _state_layout(kfac: KFACPreconditioner) -> StateLayout:
+def _expected_state(kfac: KFACPreconditioner) -> ExpectedState:
     """What a state must hold to load into ``kfac``."""
     layers = {
-        b.name: LayerLayout(
+        b.name: ExpectedLayer(
             b.adapter.a_dim,
             b.adapter.g_dim,
             {key: stat.shape for key, stat in b.statistics().items()},
@@ -67,7 +67,7 @@ def _state_layout(kfac: KFACPreconditioner) -> StateLayout:
         )
         for b in kfac.blocks
     }
-    return StateLayout(
+    return ExpectedState(
         method_keys={key: getattr(kfac.config, key) for key in METHOD_KEYS},
         layers=layers,
         adaptive=kfac.refresh is not None,
@@ -89,7 +89,7 @@ def load_state_dict(kfac: KFACPreconditioner, state: Union[dict[str, Any], Check
             kept = distributor.stores_factor(b, key) and value is not None
             stat.value = value.to(device, factor_dtype) if kept else None
         held = distributor.holds_decomposition(b) and record.decomposition is not None
-        b.state = tuple(t.to(device, inv_dtype) for t in record.decomposition) if held else None
+        b.decomposition = tuple(t.to(device, inv_dtype) for t in record.decomposition) if held else None
     kfac.discard_step_statistics()
     if kfac.refresh is not None:
         kfac.refresh.load_state_dict(state["refresh"])

@@ -35,7 +35,7 @@ from .record import (
 )
 
 
-class LayerLayout(NamedTuple):
+class ExpectedLayer(NamedTuple):
     """A layer's sizes (its gradient matrix is ``g_dim x a_dim``), the shape of each running statistic, the
     statistics decomposed on their own ranks (its sides), and its method and the shapes of its decomposition's
     tensors (side after side)."""
@@ -49,31 +49,31 @@ class LayerLayout(NamedTuple):
 
 
 @dataclass(frozen=True)
-class StateLayout:
+class ExpectedState:
     """What a state must hold to load into one preconditioner."""
 
     method_keys: dict[str, Any]
     """This run's value of each of :data:`METHOD_KEYS`."""
-    layers: dict[str, LayerLayout]
+    layers: dict[str, ExpectedLayer]
     adaptive: bool
     """Whether decompositions refresh adaptively (the state then holds the schedule and each side's references)."""
 
 
 @dataclass(frozen=True)
 class CheckedState:
-    """A state that :func:`check_state` accepted for ``layout``: installing it needs no second check."""
+    """A state that :func:`check_state` accepted for ``setup``: installing it needs no second check."""
 
     state: dict[str, Any]
-    layout: StateLayout
+    setup: ExpectedState
 
 
-def check_state(state: Any, layout: StateLayout) -> CheckedState:
-    """``state`` (from ``KFACPreconditioner.state_dict()``) checked against ``layout``; a state
-    already checked for this layout is returned as it is. Raises one ``ValueError`` naming every
+def check_state(state: Any, setup: ExpectedState) -> CheckedState:
+    """``state`` (from ``KFACPreconditioner.state_dict()``) checked against ``setup``; a state
+    already checked for this setup is returned as it is. Raises one ``ValueError`` naming every
     problem: first those that say the state is from another run setup (version, method keys,
     layer set, refresh mode), else every malformed or non-finite entry."""
     if isinstance(state, CheckedState):
-        if state.layout == layout:
+        if state.setup == setup:
             return state
         state = state.state
     if not isinstance(state, dict):
@@ -81,16 +81,16 @@ def check_state(state: Any, layout: StateLayout) -> CheckedState:
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"K-FAC state has version {state.get('version')!r}, expected {STATE_VERSION}")
     for find_problems in (_setup_problems, _content_problems):  # the second assumes the first found none
-        problems = find_problems(state, layout)
+        problems = find_problems(state, setup)
         if problems:
             raise ValueError("K-FAC state not loaded (nothing was changed): " + "; ".join(problems))
-    return CheckedState(state, layout)
+    return CheckedState(state, setup)
 
 
-def _setup_problems(state: dict[str, Any], layout: StateLayout) -> list[str]:
+def _setup_problems(state: dict[str, Any], setup: ExpectedState) -> list[str]:
     """Differences in what the state was saved for: its keys, method keys, layers and refresh mode."""
     problems = _key_problems("the state", state, REQUIRED_KEYS, REQUIRED_KEYS + OPTIONAL_KEYS + METHOD_KEYS)
-    for key, now in layout.method_keys.items():
+    for key, now in setup.method_keys.items():
         # A checkpoint from before a key existed was saved with its default.
         then = state.get(key, KFACConfig.model_fields[key].default)
         if then != now:
@@ -98,15 +98,15 @@ def _setup_problems(state: dict[str, Any], layout: StateLayout) -> list[str]:
     layers = state.get("layers", {})
     if not isinstance(layers, dict):
         problems.append(f"'layers' must be a dict of layer name to entry, got {_describe(layers)}")
-    elif "layers" in state and set(layers) != set(layout.layers):
-        saved, here = set(layers), set(layout.layers)
+    elif "layers" in state and set(layers) != set(setup.layers):
+        saved, here = set(layers), set(setup.layers)
         problems.append(
             f"does not match this model's layers: missing from the checkpoint {sorted(here - saved)}, "
             f"not in this model {sorted(saved - here, key=str)}"
         )
     saved_adaptive = state.get("refresh") is not None
-    if saved_adaptive != layout.adaptive:
-        problems.append(f"saved with inv_update_steps {_mode(saved_adaptive)}, this run uses {_mode(layout.adaptive)}")
+    if saved_adaptive != setup.adaptive:
+        problems.append(f"saved with inv_update_steps {_mode(saved_adaptive)}, this run uses {_mode(setup.adaptive)}")
     return problems
 
 
@@ -114,7 +114,7 @@ def _mode(adaptive: bool) -> str:
     return "adaptive" if adaptive else "fixed"
 
 
-def _content_problems(state: dict[str, Any], layout: StateLayout) -> list[str]:
+def _content_problems(state: dict[str, Any], setup: ExpectedState) -> list[str]:
     """Malformed or non-finite entries of a state saved for this setup."""
     problems: list[str] = []
     steps = state["steps"]
@@ -129,22 +129,22 @@ def _content_problems(state: dict[str, Any], layout: StateLayout) -> list[str]:
             for name, n in counters.items()
             if not (isinstance(name, str) and _is_count(n))
         ]
-    if layout.adaptive:
-        problems += _refresh_problems(state["refresh"], layout)
+    if setup.adaptive:
+        problems += _refresh_problems(state["refresh"], setup)
     problems += _pending_problems(state.get("pending_decompositions"), steps if _is_count(steps) else None)
     tensors: list[tuple[str, torch.Tensor]] = []  # (what, tensor): checked for finiteness together
-    for name, expected in layout.layers.items():
-        problems += _layer_problems(name, state["layers"][name], expected, layout, tensors)
+    for name, expected in setup.layers.items():
+        problems += _layer_problems(name, state["layers"][name], expected, setup, tensors)
     finite = finite_flags([t for _, t in tensors])  # one host sync for every tensor of the state
     problems += [f"{what} is not finite (NaN or infinity)" for (what, _), ok in zip(tensors, finite) if not ok]
     return problems
 
 
-def _refresh_problems(refresh: Any, layout: StateLayout) -> list[str]:
+def _refresh_problems(refresh: Any, setup: ExpectedState) -> list[str]:
     """The adaptive-refresh schedule: ``[interval, previous_interval, next_step, refreshes]`` per factor."""
     if not isinstance(refresh, dict):
         return [f"'refresh' must be a dict of factor to schedule, got {_describe(refresh)}"]
-    expected = {factor_name((name, side)) for name, layer in layout.layers.items() for side in layer.sides}
+    expected = {factor_name((name, side)) for name, layer in setup.layers.items() for side in layer.sides}
     problems = []
     if set(refresh) != expected:
         problems.append(
@@ -180,13 +180,13 @@ def _pending_problems(pending: Any, steps: int | None) -> list[str]:
 
 
 def _layer_problems(
-    name: str, entry: Any, expected: LayerLayout, layout: StateLayout, tensors: list[tuple[str, torch.Tensor]]
+    name: str, entry: Any, expected: ExpectedLayer, setup: ExpectedState, tensors: list[tuple[str, torch.Tensor]]
 ) -> list[str]:
     """One layer's entry; its tensors that are well formed are appended to ``tensors``."""
     where = f"layer {name!r}"
     if not isinstance(entry, dict):
         return [f"{where} must be a dict, got {_describe(entry)}"]
-    keys = layer_keys(expected.statistics, expected.sides, layout.adaptive)
+    keys = layer_keys(expected.statistics, expected.sides, setup.adaptive)
     problems = _key_problems(where, entry, keys, keys)
     if problems:
         return problems
@@ -200,7 +200,7 @@ def _layer_problems(
         for problem in _tensor_problems(f"{where}: {key}", entry[key], shape, tensors)
     ]
     problems += _decomposition_problems(where, entry[DECOMPOSITION], expected.state_shapes, expected.method, tensors)
-    for side in expected.sides if layout.adaptive else ():
+    for side in expected.sides if setup.adaptive else ():
         key = references_key(side)
         pair = entry[key]
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):

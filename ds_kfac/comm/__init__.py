@@ -15,6 +15,7 @@ from .collectives import (
     receive,
     scatter_,
     send_,
+    start_all_reduce_sum_,
     unpack_symmetric,
 )
 from .groups import RankGroups, create_groups
@@ -37,5 +38,6 @@ __all__ = [
     "receive",
     "scatter_",
     "send_",
+    "start_all_reduce_sum_",
     "unpack_symmetric",
 ]

@@ -79,6 +79,14 @@ def all_reduce_sum_(
         _unpack(flat, tensors, idx)
 
 
+def start_all_reduce_sum_(flat: torch.Tensor, group: Optional[dist.ProcessGroup], stat: str) -> dist.Work:
+    """Start summing one flat buffer in place over ``group``'s ranks; its bytes count under ``stat``. The caller
+    waits on the returned work (EASGD overlaps it with the next step's compute)."""
+    STATS[stat] += flat.numel() * flat.element_size()
+    STATS[f"{stat}_calls"] += 1
+    return dist.all_reduce(flat, group=group, async_op=True)
+
+
 def _flat_buckets(tensors: Sequence[torch.Tensor], keys: Sequence[tuple], bucket_bytes: int) -> list[list[int]]:
     """Buckets of tensor indices sharing a key (destination, group, ...) and dtype, in first-seen order."""
     grouped: dict[tuple, list[int]] = {}

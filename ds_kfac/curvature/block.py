@@ -32,7 +32,7 @@ from .factors import KroneckerFactor, RunningAverage
 
 
 class CurvatureBlock(ABC):
-    """One layer's curvature: running statistics, their decomposition (:attr:`state`), and its method.
+    """One layer's curvature: running statistics, their decomposition (:attr:`decomposition`), and its method.
 
     Args:
         name: the layer's name in the model.
@@ -42,7 +42,7 @@ class CurvatureBlock(ABC):
     """
 
     sides: tuple[str, ...]
-    """The statistics decomposed on their own rank, in the order their tensors make up :attr:`state` (a block
+    """The statistics decomposed on their own rank, in the order their tensors make up :attr:`decomposition` (a block
     with one side has it decomposed on one rank)."""
 
     def __init__(self, name: str, adapter: LayerAdapter, method: Decomposition, inv_dtype: torch.dtype) -> None:
@@ -52,9 +52,9 @@ class CurvatureBlock(ABC):
         self.inv_dtype = inv_dtype
         self.correction: Optional[EigenvalueCorrection] = None
         """The eigenvalue correction ``S`` (Kronecker blocks with ``eigenvalue_correction`` only)."""
-        self._state: Optional[State] = None
-        self.state_version = 0
-        """Bumped whenever :attr:`state` is assigned, so caches built from it know when to rebuild."""
+        self._decomposition: Optional[State] = None
+        self.decomposition_version = 0
+        """Bumped whenever :attr:`decomposition` is assigned, so caches built from it know when to rebuild."""
 
     @abstractmethod
     def statistics(self) -> dict[str, RunningAverage]:
@@ -91,17 +91,17 @@ class CurvatureBlock(ABC):
 
     def install(self, state: State) -> None:
         """Adopt a new decomposition."""
-        self.state = state
+        self.decomposition = state
 
     @property
-    def state(self) -> Optional[State]:
+    def decomposition(self) -> Optional[State]:
         """The current decomposition (``None`` before the first); replaced, never modified in place."""
-        return self._state
+        return self._decomposition
 
-    @state.setter
-    def state(self, value: Optional[State]) -> None:
-        self._state = value
-        self.state_version += 1
+    @decomposition.setter
+    def decomposition(self, value: Optional[State]) -> None:
+        self._decomposition = value
+        self.decomposition_version += 1
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class KFACBlock(CurvatureBlock):
         """The call's ``A`` statistic; with the correction and an eigenbasis, the input itself (which autograd
         keeps anyway for the weight gradient): the backward computes its rows once for ``A`` and for ``S``, whose
         per-example gradients need each example's input and output-gradient rows together."""
-        if self.correction is not None and self.state is not None:
+        if self.correction is not None and self.decomposition is not None:
             return _Input(x.detach())
         return self.a.statistic(self.adapter.input_rows(x), bias_column=self.adapter.has_bias)
 
@@ -154,7 +154,7 @@ class KFACBlock(CurvatureBlock):
         if isinstance(pending, _Input):
             a_rows = self.adapter.input_rows(pending.x)
             self.a.add(self.a.statistic(a_rows, bias_column=self.adapter.has_bias))
-            basis = self.method.basis(self.state)
+            basis = self.method.basis(self.decomposition)
             self.correction.accumulate(a_rows, g_rows, examples, scale, basis, self.adapter.has_bias)
         else:
             self.a.add(pending)
@@ -174,9 +174,9 @@ class KFACBlock(CurvatureBlock):
 
     def install(self, state: State) -> None:
         """Adopt a new decomposition. The correction follows a new eigenbasis: ``S`` is re-projected onto it."""
-        if self.correction is not None and self.state is not None:
-            self.correction.rebase(self.method.basis(self.state), self.method.basis(state))
-        self.state = state
+        if self.correction is not None and self.decomposition is not None:
+            self.correction.rebase(self.method.basis(self.decomposition), self.method.basis(state))
+        self.decomposition = state
 
 
 def blocks_device(blocks: Iterable[CurvatureBlock]) -> torch.device:
@@ -205,10 +205,10 @@ def _scaling(blocks: Sequence[CurvatureBlock], positions: list[int]) -> Optional
     has one (plain K-FAC)."""
     if not any(blocks[i].correction is not None and blocks[i].correction.value is not None for i in positions):
         return None
-    dtype = blocks[positions[0]].state[0].dtype
+    dtype = blocks[positions[0]].decomposition[0].dtype
     return torch.stack(
         [
-            b.method.eigenvalues(b.state) if b.correction.value is None else b.correction.value.to(dtype)
+            b.method.eigenvalues(b.decomposition) if b.correction.value is None else b.correction.value.to(dtype)
             for b in (blocks[i] for i in positions)
         ]
     )
@@ -253,7 +253,7 @@ class StackedStates:
         With ``graft``, each ``P(grad)`` is rescaled to the L2 norm of its ``grad`` (layer-wise norm
         grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
         self.prepare(blocks)
-        out = [g.to(b.inv_dtype) if b.state is None else None for b, g in zip(blocks, grads)]
+        out = [g.to(b.inv_dtype) if b.decomposition is None else None for b, g in zip(blocks, grads)]
         for group in self._groups:
             positions, state, method = group.positions, group.state, blocks[group.positions[0]].method
             if group.cached_for != damping:
@@ -280,18 +280,18 @@ class StackedStates:
 
     @staticmethod
     def _versions(blocks: Sequence[CurvatureBlock]) -> tuple:
-        return tuple((b.name, b.state_version) for b in blocks)
+        return tuple((b.name, b.decomposition_version) for b in blocks)
 
     @staticmethod
     def _stack(blocks: Sequence[CurvatureBlock]) -> list[_Group]:
-        by_layout: dict[tuple, list[int]] = defaultdict(list)
+        by_shapes: dict[tuple, list[int]] = defaultdict(list)
         for i, b in enumerate(blocks):
-            if b.state is not None:
-                by_layout[(b.method.name, *((t.shape, t.dtype) for t in b.state))].append(i)
+            if b.decomposition is not None:
+                by_shapes[(b.method.name, *((t.shape, t.dtype) for t in b.decomposition))].append(i)
         groups = []
-        for positions in by_layout.values():
-            state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].state for i in positions)))
+        for positions in by_shapes.values():
+            state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].decomposition for i in positions)))
             for j, i in enumerate(positions):
-                blocks[i].state = tuple(t[j] for t in state)
+                blocks[i].decomposition = tuple(t[j] for t in state)
             groups.append(_Group(positions, state, blocks[positions[0]].method.uncurved(state)))
         return groups

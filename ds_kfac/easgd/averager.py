@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import STATS, data_parallel_world
+from ..comm import data_parallel_world, start_all_reduce_sum_
 from ..config import KFACConfigError
 from .config import EASGDConfig
 
@@ -119,9 +119,7 @@ class ElasticAverager:
         """Start summing the packed weights over the ranks."""
         self._sum = self._pack()
         if self.world > 1:
-            STATS["easgd_all_reduce"] += self._sum.numel() * self._sum.element_size()
-            STATS["easgd_all_reduce_calls"] += 1
-            self._work = dist.all_reduce(self._sum, group=self.group, async_op=True)
+            self._work = start_all_reduce_sum_(self._sum, self.group, "easgd_all_reduce")
 
     def _start(self) -> None:
         """With ``overlap``, launch the all-reduce of the step about to run when it has an elastic update."""

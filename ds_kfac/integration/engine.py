@@ -141,7 +141,7 @@ class KFACEngineMixin(CheckpointMixin):
         blocks = self.kfac.blocks
         done = set(self.kfac.preconditioned)
         flags = torch.tensor(
-            [[b.state is not None for b in blocks], [b.name in done for b in blocks]],
+            [[b.decomposition is not None for b in blocks], [b.name in done for b in blocks]],
             dtype=torch.int32,
             device=self.device,
         )

@@ -26,7 +26,7 @@ class Zero12Gradients(PartitionedGradients):
     DeepSpeed attaches to every parameter (the same one behind ``deepspeed.utils.safe_get_full_grad``),
     without that function's full-size all-reduce: only the local fragment is read."""
 
-    def holds(self, param: nn.Parameter) -> bool:
+    def has_fragment(self, param: nn.Parameter) -> bool:
         return getattr(param, "_hp_mapping", None) is not None
 
     def fragment(self, param: nn.Parameter) -> Optional[Fragment]:

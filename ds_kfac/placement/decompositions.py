@@ -79,19 +79,19 @@ class DecompositionSharing(Roles):
                 continue
             old, at = {}, 0
             for side, shapes in b.side_shapes().items():
-                old[side] = b.state[at : at + len(shapes)] if b.state is not None else None
+                old[side] = b.decomposition[at : at + len(shapes)] if b.decomposition is not None else None
                 at += len(shapes)
             chosen.append(b)
             states.append(sum((sides.get((b.name, side), old[side]) for side in b.sides), ()))
         return chosen, states
 
     def _sides_to_refresh(self, block: CurvatureBlock, due: Optional[set[Key]]) -> set[str]:
-        """Which sides of a layer to decompose now. ``block.state is None`` is the same on all
+        """Which sides of a layer to decompose now. ``block.decomposition is None`` is the same on all
         of the layer's decomposition holders (they adopt identical candidates), so they agree."""
         if due is None:
             return set(block.sides)
         wanted = {side for side in block.sides if (block.name, side) in due}
-        if wanted and (block.colocated or (self.holds_decomposition(block) and block.state is None)):
+        if wanted and (block.colocated or (self.holds_decomposition(block) and block.decomposition is None)):
             return set(block.sides)
         return wanted
 

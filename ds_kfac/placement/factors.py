@@ -132,7 +132,7 @@ class FactorReduction(Roles):
                 for b in blocks
                 for i, (side, stat) in enumerate(b.statistics().items())
             ]
-        return [(b, side, value) for b, side, value in reduced if side != "S" or b.state is not None]
+        return [(b, side, value) for b, side, value in reduced if side != "S" or b.decomposition is not None]
 
     @staticmethod
     def fold_factors(reduced: Reduced, decay: float) -> list[str]:

@@ -194,7 +194,7 @@ class PartitionedGradients(GradientLayout):
         """Per block, whether no single rank holds all of its gradient (set by :meth:`block_holders`)."""
 
     @abstractmethod
-    def holds(self, param: nn.Parameter) -> bool:
+    def has_fragment(self, param: nn.Parameter) -> bool:
         """Whether this rank's partition holds any of ``param``'s gradient (known before any backward)."""
 
     def block_holders(self, blocks: Sequence[CurvatureBlock]) -> dict[str, tuple[int, ...]]:
@@ -204,7 +204,8 @@ class PartitionedGradients(GradientLayout):
             params = [p for b in blocks for p in b.adapter.params()]
             world = data_parallel_world(self.group)
             table = torch.zeros(world, len(params), dtype=torch.int32, device=blocks_device(blocks))
-            table[data_parallel_rank(self.group)] = torch.tensor([self.holds(p) for p in params], dtype=torch.int32)
+            mine = [self.has_fragment(p) for p in params]
+            table[data_parallel_rank(self.group)] = torch.tensor(mine, dtype=torch.int32)
             all_reduce_sum_([table], self.group)
             held = table.t().tolist()
             of_param = [tuple(r for r in range(world) if row[r]) for row in held]

@@ -44,7 +44,7 @@ class Reporting:
                 running, accumulator = stat.nbytes()
                 usage["eigenvalue_corrections" if side == "S" else "factors"] += running
                 usage["accumulators"] += accumulator
-            usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.state or ()))
+            usage["decompositions"] += sum(t.numel() * t.element_size() for t in (b.decomposition or ()))
         if self.refresh is not None:
             references = [t for f in self.refresh.factors.values() for t in (f.last, f.before_last) if t is not None]
             usage["refresh_references"] = sum(t.numel() * t.element_size() for t in references)

@@ -51,7 +51,7 @@ def contents(kfac: KFACPreconditioner) -> dict[str, Any]:
         "pending": kfac.state.scalars.pending,
         "seen": set(kfac.state.scalars.seen),
         "refresh": refresh,
-        "layers": {b.name: (_copy(b.a.value), _copy(b.g.value), _copy(b.state)) for b in kfac.blocks},
+        "layers": {b.name: (_copy(b.a.value), _copy(b.g.value), _copy(b.decomposition)) for b in kfac.blocks},
     }
 
 

@@ -57,5 +57,5 @@ def test_an_undone_step_leaves_no_trace() -> None:
     torch.testing.assert_close(clean.last_nu, undone.last_nu, rtol=0, atol=0)
     for x, y in zip(clean.blocks, undone.blocks):
         assert torch.equal(x.a.value, y.a.value) and torch.equal(x.g.value, y.g.value)
-        assert all(torch.equal(s, t) for s, t in zip(x.state, y.state))
+        assert all(torch.equal(s, t) for s, t in zip(x.decomposition, y.decomposition))
     assert copy.deepcopy(clean.refresh.state_dict()) == copy.deepcopy(undone.refresh.state_dict())

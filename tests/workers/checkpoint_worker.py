@@ -96,7 +96,7 @@ def train(engine: Any, steps: range) -> None:
 
 def own(kfac: Any) -> dict[str, dict[str, Any]]:
     """Copies of the state tensors this rank holds itself, per layer and entry (``None`` where it holds none)."""
-    out = {b.name: {"A": _copy(b.a.value), "G": _copy(b.g.value), "state": _copy(b.state)} for b in kfac.blocks}
+    out = {b.name: {"A": _copy(b.a.value), "G": _copy(b.g.value), "state": _copy(b.decomposition)} for b in kfac.blocks}
     if kfac.refresh is not None:
         for (name, side), f in kfac.refresh.factors.items():
             out[name][f"{side}_refs"] = [_copy(f.last), _copy(f.before_last)]
@@ -127,7 +127,7 @@ def engine_state(engine: Any) -> dict[str, Any]:
             "steps": kfac.steps,
             "counters": dict(kfac.counters),
             "layers": {
-                b.name: _copy([t for t in (b.a.value, b.g.value, *(b.state or ())) if t is not None])
+                b.name: _copy([t for t in (b.a.value, b.g.value, *(b.decomposition or ())) if t is not None])
                 for b in kfac.blocks
             },
         },
