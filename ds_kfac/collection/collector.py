@@ -118,9 +118,11 @@ class FactorCollector:
         self._forwards: Counter[str] = Counter()  # this step's forward calls that can get a backward
         self._backwards: Counter[str] = Counter()
         hook = torch.compiler.disable(self._forward_hook, reason=compile_reason)
-        self._handles = [block.adapter.module.register_forward_hook(partial(hook, block)) for block in blocks]
+        for block in blocks:
+            block.adapter.module.register_forward_hook(partial(hook, block))
         relay = torch.compiler.disable(self._relay_forward_hook, reason=compile_reason)
-        self._handles += [adapter.module.register_forward_hook(partial(relay, adapter)) for adapter in relays]
+        for adapter in relays:
+            adapter.module.register_forward_hook(partial(relay, adapter))
 
     def arm(self, collecting: bool) -> None:
         """Start a step: gather factors during it or not."""
@@ -146,11 +148,6 @@ class FactorCollector:
         """Per layer, this step's forward calls whose output got no backward (e.g. a metric computed
         in training mode without ``torch.no_grad()``); their statistics were not counted."""
         return {name: n - self._backwards[name] for name, n in self._forwards.items() if n > self._backwards[name]}
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _forward_hook(self, block: CurvatureBlock, module: nn.Module, inputs: tuple, output: Any) -> None:
         output = block.adapter.output_of(output)
