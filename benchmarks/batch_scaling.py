@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     best = best_points(runs)
     result = {
         "task": args.task,
-        "command": " ".join(["python", "benchmarks/batch_scaling.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "benchmarks/batch_scaling.py", *sys.argv[1:]]),
         "settings": {
             "world": WORLD,
             "metric": task.metric,

@@ -111,6 +111,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import statistics
 import sys
 import tempfile
@@ -807,7 +808,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     out = {
         "benchmark": "step_cost",
-        "command": " ".join(["python", "benchmarks/step_cost.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "benchmarks/step_cost.py", *sys.argv[1:]]),
         "settings": {
             key: getattr(args, key)
             for key in (

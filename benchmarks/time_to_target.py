@@ -29,6 +29,7 @@ import os
 import platform
 import signal
 import socket
+import shlex
 import statistics
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     result = {
         "task": args.task,
-        "command": " ".join(["python", "benchmarks/time_to_target.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "benchmarks/time_to_target.py", *sys.argv[1:]]),
         "settings": {
             "world": 2,
             "seeds": args.seeds,
