@@ -136,7 +136,6 @@ class KFACPreconditioner(SampledFisher, Reporting):
         """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
         holders = self.layout.block_holders(self.blocks)
         self.distributor = Distributor(self.blocks, self.config, process_group, bucket_bytes, holders)
-        self._by_name = {b.name: b for b in self.blocks}
         factor_keys = [(b.name, side) for b in self.blocks for side in b.sides]
         adaptive = self.config.inv_update_steps == "adaptive"
         self.refresh = AdaptiveRefresh(factor_keys, self.config.adaptive_threshold) if adaptive else None

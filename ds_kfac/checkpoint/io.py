@@ -31,13 +31,18 @@ def state_dict(kfac: KFACPreconditioner) -> Optional[dict[str, Any]]:
     return {
         "version": STATE_VERSION,
         "steps": scalars.steps,
-        **{key: getattr(kfac.config, key) for key in METHOD_KEYS},
+        **_method_keys(kfac),
         "counters": dict(scalars.counters),
         "refresh": kfac.refresh.state_dict() if kfac.refresh is not None else None,
         # Restarted on load from the saved factors, which are those it started from.
         "pending_decompositions": None if p is None else {"started": p.started, "install_at": p.install_at},
         "layers": {name: dataclasses.replace(record, shape=dims[name]).to_dict() for name, record in layers.items()},
     }
+
+
+def _method_keys(kfac: KFACPreconditioner) -> dict[str, Any]:
+    """This run's value of each of :data:`METHOD_KEYS`, as saved and as a state must match."""
+    return {key: getattr(kfac.config, key) for key in METHOD_KEYS}
 
 
 def _local_state(kfac: KFACPreconditioner) -> dict[str, LayerRecord]:
@@ -68,7 +73,7 @@ def _expected_state(kfac: KFACPreconditioner) -> ExpectedState:
         for b in kfac.blocks
     }
     return ExpectedState(
-        method_keys={key: getattr(kfac.config, key) for key in METHOD_KEYS},
+        method_keys=_method_keys(kfac),
         layers=layers,
         adaptive=kfac.refresh is not None,
     )
