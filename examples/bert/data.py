@@ -676,6 +676,15 @@ def encode_sentences(
     tokenizer load them instead of encoding (a second or two instead of 20-30 s
     for the "packages" corpus's training split).
     """
+    with _gc_paused():
+        return _encode_sentences(documents, tokenizer, cache_dir)
+
+
+def _encode_sentences(
+    documents: Sequence[Document],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    cache_dir: str | os.PathLike | None,
+) -> list[list[int]]:
     cache_file = None
     if cache_dir is not None:
         identity = [
@@ -716,20 +725,32 @@ def build_examples(
     seed: int = 0,
     cache_dir: str | os.PathLike | None = None,
 ) -> list[PretrainingExample]:
-    """Sentence-pair instances for NSP and MLM from every document, deterministic for a seed.
+    """Sentence-pair instances for NSP and MLM from every document, deterministic for a seed:
+    :func:`pair_examples` of the documents' :func:`encode_sentences` (``cache_dir`` caches those; the examples
+    are the same with or without it)."""
+    encoded = encode_sentences(documents, tokenizer, cache_dir)
+    return pair_examples(documents, encoded, tokenizer, max_seq_length, short_seq_prob, seed)
+
+
+def pair_examples(
+    documents: Sequence[Document],
+    encoded: Sequence[list[int]],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    max_seq_length: int = 128,
+    short_seq_prob: float = 0.1,
+    seed: int = 0,
+) -> list[PretrainingExample]:
+    """The instances of :func:`build_examples` from the documents' sentences encoded by :func:`encode_sentences`.
 
     As in BERT's ``create_pretraining_data.py``: each document is cut into
     chunks of consecutive sentences filling ``max_seq_length - 3`` tokens
     (shorter with probability ``short_seq_prob``), A is a prefix of a chunk and
     B is the rest of it or, half of the time, a run of sentences from another
-    document. Sentences that tokenize to nothing are skipped. ``cache_dir``
-    caches the encoded sentences (see ``encode_sentences``); the examples are
-    the same with or without it.
+    document. Sentences that tokenize to nothing are skipped.
     """
     if max_seq_length < 5:
         raise ValueError(f"max_seq_length must leave room for [CLS] A [SEP] B [SEP], got {max_seq_length}")
     with _gc_paused():
-        encoded = encode_sentences(documents, tokenizer, cache_dir)
         corpus, start = [], 0
         for doc in documents:
             corpus.append([(j, ids) for j, ids in enumerate(encoded[start : start + len(doc)]) if ids])

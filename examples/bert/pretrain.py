@@ -48,7 +48,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import deepspeed
 import torch
@@ -63,6 +63,8 @@ import data  # noqa: E402
 import report  # noqa: E402
 
 import ds_kfac  # noqa: E402
+
+T = TypeVar("T")
 
 BERT_DEFAULTS = {
     "model": "configs/bert/bert-tiny.json",
@@ -126,17 +128,23 @@ def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
     return factor
 
 
+def rank_zero_first(build: Callable[[], T]) -> T:
+    """``build()`` on rank 0, then, after a barrier, on the other ranks: rank 0 fills a cache the others read."""
+    if dist.get_rank() == 0:
+        result = build()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        result = build()
+    return result
+
+
 def load_documents(args: argparse.Namespace, cache: Path) -> tuple[list[data.Document], dict[str, Any]]:
     """The corpus and a record of it: source, versions, digest (rank 0 builds and caches the embedded one first)."""
     if args.text_dir is not None or args.hf_dataset is not None:
         documents = data.load_corpus(args.text_dir, args.hf_dataset, args.text_column)
         source = {"text_dir": str(args.text_dir)} if args.text_dir is not None else {"hf_dataset": str(args.hf_dataset)}
     else:
-        if dist.get_rank() == 0:
-            documents = data.embedded_corpus(args.corpus, cache_dir=cache)
-        dist.barrier()
-        if dist.get_rank() != 0:
-            documents = data.embedded_corpus(args.corpus, cache_dir=cache)
+        documents = rank_zero_first(lambda: data.embedded_corpus(args.corpus, cache_dir=cache))
         source = {"embedded": args.corpus, "versions": data.corpus_sources(args.corpus)}
     return documents, {
         **source,
@@ -152,22 +160,15 @@ def load_tokenizer(
     """The given tokenizer, or one trained on the training documents (rank 0 trains and caches; others load)."""
     if args.tokenizer is not None:
         return PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
-    if dist.get_rank() == 0:
-        tokenizer = data.train_tokenizer(train_docs, vocab_size, cache_dir=cache)
-    dist.barrier()
-    if dist.get_rank() != 0:
-        tokenizer = data.train_tokenizer(train_docs, vocab_size, cache_dir=cache)
-    return tokenizer
+    return rank_zero_first(lambda: data.train_tokenizer(train_docs, vocab_size, cache_dir=cache))
 
 
 def load_examples(
     docs: list[data.Document], tokenizer: PreTrainedTokenizerFast, seq: int, seed: int, cache: Path
 ) -> list[data.PretrainingExample]:
-    """The documents' NSP pairs (rank 0 encodes and caches their sentences first; every rank then loads them)."""
-    if dist.get_rank() == 0:
-        data.encode_sentences(docs, tokenizer, cache_dir=cache)
-    dist.barrier()
-    return data.build_examples(docs, tokenizer, seq, seed=seed, cache_dir=cache)
+    """The documents' NSP pairs (rank 0 encodes and caches their sentences first; the others load them)."""
+    encoded = rank_zero_first(lambda: data.encode_sentences(docs, tokenizer, cache_dir=cache))
+    return data.pair_examples(docs, encoded, tokenizer, seq, seed=seed)
 
 
 @torch.no_grad()
