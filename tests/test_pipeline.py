@@ -188,5 +188,5 @@ def test_a_stage_state_that_cannot_load_is_refused_on_every_stage(runs: dict[str
     """Stage 1's K-FAC state file is unreadable: its rank names the file, and stage 0, whose own state is fine,
     raises too (before DeepSpeed loads anything), instead of loading alone."""
     stage0, stage1 = runs["stage_1_state_corrupt"]
-    assert "kfac_state_pp1.pt is not a readable K-FAC state" in stage1["error"]
+    assert "kfac_state_pp1.pt (" in stage1["error"] and "is truncated or corrupt" in stage1["error"]
     assert "the K-FAC state of another pipeline stage" in stage0["error"]

@@ -165,6 +165,40 @@ def test_a_factor_step_without_the_sampled_pass_is_an_error_and_other_steps_skip
         assert not kfac.sample_fisher(model(x), "cross_entropy")  # evaluation: nothing awaits a backward
 
 
+@pytest.mark.parametrize(
+    "loss, spoil", [("cross_entropy", float("nan")), ("cross_entropy", float("inf")), ("mse", float("inf"))]
+)
+def test_non_finite_outputs_are_discarded_like_the_empirical_path(loss: str, spoil: float) -> None:
+    """issue 30, item 1: a micro-batch whose outputs are not finite (one example's logits NaN or infinite) used to
+    stop the run with torch's sampling error from inside ds_kfac. Now its sampled ``G`` is non-finite and discarded as
+    the empirical path discards one: the layers keep the previous ``G``, counted, and the next step goes on."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFACPreconditioner(model, optimizer=opt, fisher="sampled", kl_clip=None)
+    history = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, targets = torch.randn(8, 5, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        out = model(x)
+        sampled_from = out.clone()
+        if step == 1:
+            sampled_from = torch.cat([sampled_from[:1] * spoil, sampled_from[1:]])
+        assert kfac.sample_fisher(sampled_from if loss == "cross_entropy" else sampled_from.sin(), loss)
+        F.cross_entropy(out, targets).backward()
+        if step == 1:
+            with pytest.warns(RuntimeWarning, match=r"skipped non-finite factor updates of \['0/G', '2/G'\]"):
+                kfac.step()
+        else:
+            kfac.step()
+        opt.step()
+        history.append([b.g.value.clone() for b in kfac.blocks])
+    assert kfac.counters["nonfinite_factor_updates"] == len(kfac.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(history[0], history[1]))  # kept at the spoiled step
+    assert all(b.isfinite().all() and not torch.equal(a, b) for a, b in zip(history[1], history[2]))
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
 def _train(model: nn.Module, kfac: KFACPreconditioner, opt: torch.optim.Optimizer, steps: range) -> None:
     for step in steps:
         g = torch.Generator().manual_seed(step)

@@ -4,7 +4,8 @@ Within an optimizer step every micro-batch adds ``(1/n) sum_r x_r x_r^T`` to
 an accumulator (so memory does not grow with gradient accumulation); at the
 step the mean over micro-batches is the step's factor, which (after any
 cross-rank averaging) updates the running average
-``F <- decay * F + (1 - decay) * F_step``, the first update setting ``F = F_step``.
+``F <- decay * F + (1 - decay) * F_step``, the first update setting ``F = F_step``. A Kronecker factor
+without curvature (a dead layer's ``A = 0``) is replaced by the next step's instead of averaged with it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ class KroneckerFactor(RunningAverage):
     def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__((dim, dim), dtype)
         self.dim = dim
+
+    def blend(self, step_value: torch.Tensor, decay: float) -> torch.Tensor:
+        """As :meth:`RunningAverage.blend`, except that a running factor without curvature (its mean eigenvalue,
+        ``tr F / dim``, below :func:`~.numerics.curvature_floor`: a layer whose input or output gradient was 0) is
+        replaced by the step's factor, as a first update is. Averaged in, a zero factor would shrink the next ones
+        by ``1 - decay`` and scale ``P(g)`` up by ``1 / (1 - decay)`` (20x at 0.95), relative damping or not."""
+        blended = super().blend(step_value, decay)
+        if self.value is None:
+            return blended
+        from .numerics import curvature_floor
+
+        dtype = compute_dtype(self.dtype)
+        dead = self.value.to(dtype).diagonal().mean() < curvature_floor(dtype)  # a device bool: no host sync
+        return torch.where(dead, step_value.to(dtype), blended.to(dtype)).to(self.dtype)
 
     def accumulate(self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0) -> None:
         """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows (``G``, at the backward)."""

@@ -58,7 +58,12 @@ def sampled_loss(
     are ``ignore_index`` (e.g. the unmasked tokens of masked language modelling) are left out, as the training
     loss leaves them out. ``mse``: the targets are ``output + e``, ``e`` standard normal (the Gaussian whose
     negative log-likelihood is ``||y - output||^2 / 2``), and the loss is ``F.mse_loss``'s mean over the elements:
-    for a model whose residuals are standard normal the sampled and the empirical ``G`` agree in expectation."""
+    for a model whose residuals are standard normal the sampled and the empirical ``G`` agree in expectation.
+
+    Non-finite outputs (an overflow, a bad example) are sampled from, not refused: a position whose probabilities
+    are not finite draws a uniform target (``torch.multinomial`` would raise), and the loss, non-finite as the
+    training loss is, gives a non-finite ``G`` that the step discards as the empirical path does (the factor keeps
+    its previous value, counted in ``counters["nonfinite_factor_updates"]``), with no host sync to find it."""
     _check_arguments(output, loss, labels)
     out = output.to(torch.promote_types(output.dtype, torch.float32))
     if loss == "mse":
@@ -66,7 +71,10 @@ def sampled_loss(
         return F.mse_loss(out, out.detach() + noise)
     logits = out.reshape(-1, out.shape[-1])
     with torch.no_grad():
-        targets = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        probabilities = logits.softmax(dim=-1)
+        finite = probabilities.isfinite().all(dim=-1, keepdim=True)
+        probabilities = torch.where(finite, probabilities, 1.0 / logits.shape[-1])
+        targets = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
         if labels is not None:
             targets = torch.where(labels.reshape(-1) == ignore_index, ignore_index, targets)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index)

@@ -12,7 +12,6 @@ from typing import Any, Optional, Union
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-
 KFAC_STATE = "kfac_state"
 """The stem of K-FAC's state files."""
 
@@ -72,12 +71,19 @@ def save_atomic(state: Any, path: str) -> None:
 
 
 def load_file(path: str, what: str) -> Any:
-    """``torch.load`` of a file ds_kfac wrote (CPU tensors, plain containers only); a ``ValueError`` saying it is
-    not a readable ``what`` when it cannot be read."""
+    """``torch.load`` of a file ds_kfac wrote (CPU tensors, plain containers only); a ``ValueError`` naming the file
+    and saying it is truncated or corrupt when it cannot be read (torch raises ``RuntimeError``, ``EOFError``,
+    ``UnpicklingError`` or, for some truncations, a bare ``OSError: [Errno 22] Invalid argument``)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        raise ValueError(f"{path} is not a readable {what}: {err}") from err
+    except FileNotFoundError:
+        raise
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        raise ValueError(
+            f"{path} ({size} bytes) is truncated or corrupt: it cannot be read as a {what} "
+            f"({type(err).__name__}: {err}); copy it again from where it was saved, or load an older checkpoint"
+        ) from err
 
 
 MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")

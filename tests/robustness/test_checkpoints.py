@@ -248,3 +248,20 @@ def test_a_nan_checkpoint_is_refused_before_deepspeed_loads(runs) -> None:
         assert rank["before"]["counters"][0] == 3  # trained a step past the checkpoint
         assert_same(rank["before"], rank["after"])
         assert rank["reloaded"]["counters"][0] == 2 and rank["reloaded"]["kfac"]["steps"] == 2
+
+
+def test_a_truncated_state_file_is_named_and_refused(runs) -> None:
+    """issue 30, item 5: the K-FAC state file cut to 99%, 90%, 50% and 10% of its size (a copy interrupted near its
+    end; at some cuts torch raises only ``OSError: [Errno 22] Invalid argument``): every rank's error names the file
+    and says it is truncated or corrupt, and the engine is as it was; the whole file then loads."""
+    for rank in runs["refused"]:
+        assert set(rank["truncated"]) == {0.99, 0.9, 0.5, 0.1}
+        for cut, error in rank["truncated"].items():
+            assert error is not None and re.search(
+                r"ckpt/kfac_state\.pt \(\d+ bytes\) is truncated or corrupt", error
+            ), (
+                cut,
+                error,
+            )
+        assert_same(rank["before"], rank["after_truncated"])
+        assert rank["reloaded"]["kfac"]["steps"] == 2

@@ -92,3 +92,56 @@ def test_grafting_keeps_tiny_and_huge_gradients(scale: float, relative: bool) ->
     for got, want in zip(update(scale), update(1.0)):
         assert got.abs().max() > 0
         torch.testing.assert_close(got / scale, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+def _largest_parameter(dead: bool, inv_update_steps: int, **keys) -> float:
+    """SGD (lr 0.1) on K-FAC's gradients for 4 steps of the model above, layer 0's input 0 at step 0 when ``dead``,
+    relative damping 0.01, no KL clip, ``factor_decay`` 0.95: the largest parameter magnitude at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Tanh(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFACPreconditioner(
+        model,
+        optimizer=opt,
+        damping=0.01,
+        relative_damping=True,
+        kl_clip=None,
+        inv_update_steps=inv_update_steps,
+        **keys,
+    )
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the dead layer's warning (tested above)
+        for step in range(4):
+            x, y = torch.randn(8, 4, generator=data), torch.randn(8, 2, generator=data)
+            opt.zero_grad()
+            ((model(x * (0.0 if dead and step == 0 else 1.0)) - y) ** 2).mean().backward()
+            kfac.step()
+            opt.step()
+    return max(p.abs().max().item() for p in model.parameters())
+
+
+@pytest.mark.parametrize("inv_update_steps", [1, 2])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_dead_step_does_not_shrink_the_factors_that_follow(method: str, inv_update_steps: int) -> None:
+    """issue 30, item 1: a zero ``A`` (an all-zero input batch into a bias-free layer) averaged into the running
+    factor shrank the next ones by ``1 - factor_decay`` and scaled ``P(g)`` up 20x once the layer came alive (the
+    largest parameter 2.1-4.6x the run's without the dead batch after 4 steps here). Now the
+    next step's factor replaces a running factor without curvature: the dead run stays within 2x of the live one."""
+    dead = _largest_parameter(True, inv_update_steps, **METHODS[method])
+    alive = _largest_parameter(False, inv_update_steps, **METHODS[method])
+    assert dead < 2 * alive, (dead, alive)
+
+
+def test_a_factor_without_curvature_restarts_from_the_next_step() -> None:
+    """The running factor after a zero step factor is the next step's factor itself, not ``(1 - decay)`` of it; a
+    factor with curvature is averaged as before."""
+    from ds_kfac.curvature.factors import KroneckerFactor
+
+    factor = KroneckerFactor(2)
+    factor.value = factor.blend(torch.zeros(2, 2), 0.95)
+    step = torch.tensor([[2.0, 0.5], [0.5, 1.0]])
+    factor.value = factor.blend(step, 0.95)
+    assert torch.equal(factor.value, step)
+    factor.value = factor.blend(torch.eye(2), 0.95)
+    torch.testing.assert_close(factor.value, 0.95 * step + 0.05 * torch.eye(2))

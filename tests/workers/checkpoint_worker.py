@@ -9,8 +9,9 @@ Scenarios (a JSON list, each with ``ds`` and ``kfac`` overrides):
   and copies of the state tensors this rank held itself.
 * ``{"refused": dir}``: train 2 steps, save, train 1 more; rank 0 puts a NaN into layer ``2``'s
   ``A`` in the saved K-FAC file; every rank tries to load it, records the error and its whole
-  engine (weights, optimizer state, counters, K-FAC) before and after; then the good file is
-  put back and loaded.
+  engine (weights, optimizer state, counters, K-FAC) before and after; then the same with the good file cut
+  to each of :data:`CUTS` of its size (a copy interrupted near its end); then the good file is put back and
+  loaded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import ds_kfac  # noqa: E402
 from ds_kfac.integration.engine import STATE_FILE  # noqa: E402
 
 MICRO, GA = 2, 2
+CUTS = (0.99, 0.9, 0.5, 0.1)
+"""Fractions of the K-FAC state file's size that the ``refused`` scenario truncates it to."""
 
 
 class ReceivedBytes(TorchFunctionMode):
@@ -162,12 +165,31 @@ def refused(scenario: dict) -> dict:
     except ValueError as err:
         error = str(err)
     after = engine_state(engine)
+    truncated = {}
+    for cut in CUTS:
+        dist.barrier()
+        if good is not None:
+            Path(path).write_bytes(good[: int(len(good) * cut)])
+        dist.barrier()
+        try:
+            engine.load_checkpoint(ckpt)
+            truncated[cut] = None
+        except ValueError as err:
+            truncated[cut] = str(err)
+    after_truncated = engine_state(engine)
     dist.barrier()
     if good is not None:
         Path(path).write_bytes(good)
     dist.barrier()
     engine.load_checkpoint(ckpt)
-    return {"error": error, "before": before, "after": after, "reloaded": engine_state(engine)}
+    return {
+        "error": error,
+        "before": before,
+        "after": after,
+        "truncated": truncated,
+        "after_truncated": after_truncated,
+        "reloaded": engine_state(engine),
+    }
 
 
 if __name__ == "__main__":
