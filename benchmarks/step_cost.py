@@ -1,11 +1,15 @@
 """Where every millisecond of a K-FAC step goes: per-phase cost of base vs base+K-FAC, and the arithmetic floor.
 
 Runs the standalone :class:`ds_kfac.KFACPreconditioner` on real models (the BERT
-example's ``BertForPreTraining`` at BERT-mini size, and the ResNet example's
-CIFAR ResNet-20) on 1 or 2 CPU processes (gloo, one thread each)::
+example's ``BertForPreTraining`` at BERT-mini size and at the CPU demo's size, and the ResNet example's
+CIFAR ResNet-20 and the demo's ResNet-8) on 1 or 2 CPU processes (gloo, one thread each)::
 
-    python benchmarks/step_cost.py run                                   # everything: 2 workloads x 3 GA x
+    python benchmarks/step_cost.py run                                   # everything: 4 workloads x 3 GA x
                                                                          # (world 1, world 2 comm-opt/mem-opt)
+    python benchmarks/step_cost.py run --workloads bert-demo --worlds 2 --placements comm-opt --ga 4 \
+        --set factor_update_steps=1 --set inv_update_steps=10           # the BERT demo's phase 2 (its config's
+                                                                         # "kfac" section and base optimizer)
+    python benchmarks/step_cost.py run --base-optimizer configs/bert_cpu_phase1_lamb.json ...  # LAMB, both arms
     python benchmarks/step_cost.py run --workloads resnet20 --worlds 2 --ga 4 --cycles 5
     python benchmarks/step_cost.py run --set inv_update_steps=20 --set damping=0.01   # K-FAC key overrides
     python benchmarks/step_cost.py run --set fisher='"sampled"'          # the sampled Fisher's extra backward
@@ -134,8 +138,10 @@ import launch  # noqa: E402  (tests/launch.py: timed, session-isolated subproces
 from time_to_target import apply_overrides, free_port, versions  # noqa: E402
 
 import ds_kfac  # noqa: E402
-from ds_kfac import KFACPreconditioner, Lamb  # noqa: E402
+from ds_kfac import KFACConfig, KFACPreconditioner, Lamb, build_optimizer  # noqa: E402
+from ds_kfac.optimizers import split_groups  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
+from ds_kfac.preconditioning.build import preconditioned_parameters  # noqa: E402
 from ds_kfac.timing import PHASES as KFAC_PHASES  # noqa: E402
 
 Batch = dict[str, torch.Tensor]
@@ -178,27 +184,42 @@ class Workload:
 
 BERT_MINI = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
 BERT_DATA = {"seq": 64, "micro": 8, "vocab": 8192}  # the BERT example's default vocabulary
+BERT_DEMO_DATA = {"seq": 64, "micro": 32, "vocab": 1024}  # the CPU demo's (configs/bert_cpu_phase2_*.json)
 BERT_SMOKE_DATA = {"seq": 32, "micro": 8, "vocab": 512}
 
 
-def build_bert(smoke: bool) -> nn.Module:
+def build_bert(size: Optional[dict[str, int]], data: dict[str, int]) -> Callable[[bool], nn.Module]:
     """``BertForPreTraining`` as ``examples/bert/pretrain.py`` builds it (``configs/bert/bert-tiny.json``'s
-    activation, dropout and initialisation), at BERT-mini size (BERT-tiny in smoke mode)."""
-    from transformers import BertConfig, BertForPreTraining
+    activation, dropout and initialisation), resized by ``size`` (``None``: bert-tiny's own, hidden 128, 2
+    layers, the CPU demo's model), for ``data``'s vocabulary and sequence length (bert-tiny in smoke mode)."""
 
-    data = BERT_SMOKE_DATA if smoke else BERT_DATA
-    config = json.loads((ROOT / "configs/bert/bert-tiny.json").read_text())
-    if not smoke:  # smoke: bert-tiny's own size (hidden 128, 2 layers), the CPU demo's model
-        config.update(BERT_MINI)
-    config.update(
-        vocab_size=data["vocab"], max_position_embeddings=max(config.get("max_position_embeddings", 512), data["seq"])
-    )
-    return BertForPreTraining(BertConfig(**config))
+    def build(smoke: bool) -> nn.Module:
+        from transformers import BertConfig, BertForPreTraining
+
+        shapes = BERT_SMOKE_DATA if smoke else data
+        config = json.loads((ROOT / "configs/bert/bert-tiny.json").read_text())
+        if size is not None and not smoke:
+            config.update(size)
+        config.update(
+            vocab_size=shapes["vocab"],
+            max_position_embeddings=max(config.get("max_position_embeddings", 512), shapes["seq"]),
+        )
+        return BertForPreTraining(BertConfig(**config))
+
+    return build
 
 
-def bert_batch(smoke: bool, generator: torch.Generator) -> Batch:
-    """Random tokens, two segments, 15% of positions as masked-LM targets, random next-sentence labels."""
-    d = BERT_SMOKE_DATA if smoke else BERT_DATA
+def bert_batch(data: dict[str, int]) -> Callable[[bool, torch.Generator], Batch]:
+    """Random tokens of ``data``'s shapes, two segments, 15% of positions as masked-LM targets, random
+    next-sentence labels."""
+
+    def batch(smoke: bool, generator: torch.Generator) -> Batch:
+        return _bert_batch(BERT_SMOKE_DATA if smoke else data, generator)
+
+    return batch
+
+
+def _bert_batch(d: dict[str, int], generator: torch.Generator) -> Batch:
     shape = (d["micro"], d["seq"])
     ids = torch.randint(0, d["vocab"], shape, generator=generator)
     masked = torch.rand(shape, generator=generator) < 0.15
@@ -247,12 +268,29 @@ def resnet_outputs(model: nn.Module, batch: Batch) -> Outputs:
     return Outputs(F.cross_entropy(logits, batch["y"]), logits)
 
 
+def json_optimizer(config: str) -> Callable[[Iterable[Any]], torch.optim.Optimizer]:
+    """The base optimizer of a config's JSON ``"optimizer"`` section, as ``ds_kfac.initialize`` builds it."""
+
+    def build(params: Iterable[Any]) -> torch.optim.Optimizer:
+        section = json.loads((ROOT / config).read_text())["optimizer"]
+        return build_optimizer(section["type"], params, section.get("params", {}))
+
+    return build
+
+
 WORKLOADS = {
     "bert-mini": Workload(
         "configs/bert_cpu_phase1_kfac.json",
-        build_bert,
+        build_bert(BERT_MINI, BERT_DATA),
         lambda params: Lamb(params, lr=1e-3),
-        bert_batch,
+        bert_batch(BERT_DATA),
+        bert_outputs,
+    ),
+    "bert-demo": Workload(  # the BERT demo's model, micro-batch and phase-2 base optimizer
+        "configs/bert_cpu_phase2_kfac.json",
+        build_bert(None, BERT_DEMO_DATA),
+        json_optimizer("configs/bert_cpu_phase2_base.json"),
+        bert_batch(BERT_DEMO_DATA),
         bert_outputs,
     ),
     "resnet20": Workload(
@@ -504,14 +542,18 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     pool = [{k: v.to(device) for k, v in workload.batch(smoke, generator).items()} for _ in range(POOL)]
     kfac_group = dist.new_group(list(range(world)))
 
-    base = Arm(model, workload.optimizer(model.parameters()))
+    make_optimizer = json_optimizer(spec["base_optimizer"]) if spec["base_optimizer"] else workload.optimizer
+    base = Arm(model, make_optimizer(model.parameters()))
     warmup = spec["warmup_steps"] or cadence["inv_update_steps"]
     run_cycle(base, pool, ga, cadence, -1, workload, world, now, warmup)
     rss_base = peak_rss_bytes()
     kfac_model = workload.build(smoke).to(device).train()
     kfac_model.load_state_dict(initial)
     del initial
-    optimizer = workload.optimizer(kfac_model.parameters())
+    params: Iterable[Any] = kfac_model.parameters()
+    if section.get("eigenbasis_moments"):  # the K-FAC layers' parameters in groups of their own, as initialize splits
+        params = split_groups(params, preconditioned_parameters(kfac_model, KFACConfig.parse(section)))
+    optimizer = make_optimizer(params)
     arm = Arm(kfac_model, optimizer)
     arm.kfac = kfac = KFACPreconditioner(
         kfac_model,
@@ -679,6 +721,8 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     ]
     for result in results:
         settings = overrides_label(result["settings"]["set"])
+        if result["settings"].get("base_optimizer"):
+            settings += f"; both arms' optimizer from {result['settings']['base_optimizer']}"
         for c in result["configurations"]:
             k, r, f = c["arms"]["kfac"], c["ratio"], c["floor"]
             over = "-" if f["overhead_vs_floor"] is None else f"{f['overhead_vs_floor']:.2f}x"
@@ -774,6 +818,7 @@ def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> di
         "kfac_config": kfac_section(config["workload"], args.smoke, args.set, config["placement"]),
         "cycles": args.cycles,
         "warmup_steps": args.warmup_steps,
+        "base_optimizer": args.base_optimizer,
         "smoke": args.smoke,
         "device": args.device,
         "seed": args.seed,
@@ -819,6 +864,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "cycles",
                 "warmup_steps",
                 "set",
+                "base_optimizer",
                 "smoke",
                 "device",
                 "seed",
@@ -858,6 +904,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "consecutive steps, so it need not start at a decomposition step; the warm-up should include one",
     )
     r.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a K-FAC key")
+    r.add_argument(
+        "--base-optimizer",
+        metavar="CONFIG",
+        help="both arms' base optimizer from this config's JSON \"optimizer\" section (default: the workload's)",
+    )
     r.add_argument(
         "--smoke",
         action="store_true",

@@ -4,10 +4,11 @@ Runs the real examples through the ``deepspeed`` launcher (2 ranks, as the
 examples run), for several seeds, alternating base and K-FAC runs so machine
 noise hits both arms alike::
 
-    python benchmarks/time_to_target.py run bert --seeds 0 1 2            # BERT embedded corpus
+    python benchmarks/time_to_target.py run bert --seeds 0 1 2            # BERT phase 2 from the demo's phase 1
+    python benchmarks/time_to_target.py run bert-phase1 --seeds 0         # BERT phase 1 from scratch
     python benchmarks/time_to_target.py run resnet --seeds 0 1 2          # ResNet, embedded digits
     python benchmarks/time_to_target.py run bert --set kfac.damping=0.01  # a study point
-    python benchmarks/time_to_target.py compare runs/demo/bert_cpu_phase1_lamb runs/demo/bert_cpu_phase1_kfac
+    python benchmarks/time_to_target.py compare runs/demo/bert_cpu_phase2_base runs/demo/bert_cpu_phase2_kfac
     python benchmarks/time_to_target.py table benchmarks/results/{resnet,bert}.json  # benchmarks/README.md's rows
 
 The target is the median over seeds of the base optimizer's final held-out
@@ -16,7 +17,9 @@ target by its held-out curve, linearly interpolated between evaluation points
 (steps and training seconds; evaluation is not timed). The base arm's time is
 its full budget. ``run`` writes ``<out>/<task>.json`` (settings, seeds,
 versions, every curve, the summary) and ``<out>/<task>.png`` and prints a
-Markdown table; ``compare`` does the same for two finished runs (``make demo``).
+Markdown table; ``compare`` does the same for two finished runs (``make demo``). The ``bert`` task is phase 2:
+both arms start from the demo's phase-1 checkpoint, which ``examples/bert/phase1.py`` builds once (or
+``--phase1 DIR`` names).
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ import csv
 import json
 import os
 import platform
-import signal
-import socket
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -53,16 +55,28 @@ class Task:
     metric: str
     higher_is_better: bool
     smoke_args: tuple[str, ...]
+    phase1: bool = False
+    """Whether both arms start from the BERT demo's phase-1 run (``--init-checkpoint``, its caches)."""
 
 
+BERT_SMOKE = ("--max-steps", "4", "--eval-every", "2", "--eval-batches", "1")
 TASKS = {
     "bert": Task(
+        "examples/bert/pretrain.py",
+        "configs/bert_cpu_phase2_base.json",
+        "configs/bert_cpu_phase2_kfac.json",
+        "held_out_mlm_loss",
+        False,
+        BERT_SMOKE,
+        phase1=True,
+    ),
+    "bert-phase1": Task(
         "examples/bert/pretrain.py",
         "configs/bert_cpu_phase1_lamb.json",
         "configs/bert_cpu_phase1_kfac.json",
         "held_out_mlm_loss",
         False,
-        ("--max-steps", "4", "--eval-every", "2", "--eval-batches", "1"),
+        BERT_SMOKE,
     ),
     "resnet": Task(
         "examples/resnet/train.py",
@@ -238,30 +252,26 @@ def free_port() -> int:
 def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra: Sequence[str], timeout: float) -> None:
     """One run through the ``deepspeed`` launcher on 2 local ranks, in its own process session:
     on failure or timeout the whole group is killed and its DeepSpeed shm segments removed."""
-    from ds_kfac.integration.cleanup import release_port_segments
+    from ds_kfac.integration.cleanup import run_launcher
 
     port = str(free_port())
     deepspeed = Path(sys.executable).with_name("deepspeed")
     cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", port, str(ROOT / task.script)]
     cmd += ["--deepspeed_config", str(config), "--seed", str(seed), "--output-dir", str(out), "--run-name", run_name]
     log = out / f"{run_name}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            [*cmd, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            release_port_segments(port)
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        code = run_launcher([*cmd, *extra], port, timeout, cwd=ROOT, output=f, env=env)
     if code != 0:
         why = f"timed out after {timeout:.0f}s" if code is None else f"failed with exit code {code}"
         raise RuntimeError(f"run {run_name} {why}; see {log}")
+
+
+def build_phase1(timeout: float) -> Path:
+    """The BERT demo's phase-1 run directory (``examples/bert/phase1.py``: trained once, then reused)."""
+    cmd = [sys.executable, str(ROOT / "examples/bert/phase1.py"), "--timeout", str(timeout)]
+    out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True).stdout
+    return Path(out.strip().splitlines()[-1])
 
 
 def versions() -> dict[str, str]:
@@ -287,6 +297,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kfac = apply_overrides(json.loads((ROOT / task.kfac_config).read_text()), args.set)
     configs = {"base": base, "kfac": kfac}
     extra = list(task.smoke_args if args.smoke else ()) + list(args.extra)
+    if task.phase1:
+        phase1 = args.phase1 or build_phase1(args.timeout)
+        extra += ["--init-checkpoint", str(phase1), "--cache-dir", str(ROOT / "runs" / "bert-cache")]
     runs, curves = [], {}
     for i, seed in enumerate(args.seeds):
         for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
@@ -371,6 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "time_to_target")
     r.add_argument("--smoke", action="store_true", help="a few steps per run: checks the machinery, not the optimizers")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    r.add_argument("--phase1", type=Path, help="bert: the phase-1 run directory (default: examples/bert/phase1.py's)")
     r.add_argument("extra", nargs="*", help="after --: arguments passed to the example")
     t = sub.add_parser("table", help="the Markdown table of saved results")
     t.add_argument("results", type=Path, nargs="+")

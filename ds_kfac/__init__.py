@@ -1,6 +1,7 @@
 """ds_kfac: distributed K-FAC gradient preconditioning for DeepSpeed and PyTorch.
 
-* :func:`initialize` (DeepSpeed): ``deepspeed.initialize`` plus the ``"kfac"`` and ``"easgd"`` config sections.
+* :func:`initialize` (DeepSpeed): ``deepspeed.initialize`` plus the ``"kfac"`` and ``"easgd"`` config sections;
+  :func:`init_distributed`: ``deepspeed.init_distributed`` that refuses a stale build lock instead of hanging.
 * :class:`KFACPreconditioner` (plain PyTorch / DDP): ``kfac.step()`` between backward and ``optimizer.step()``.
 * :func:`shutdown` (both): the last call of a training script, on every rank.
 * :class:`ds_kfac.hf.KFACTrainer` (Hugging Face ``Trainer`` with DeepSpeed): imports transformers and accelerate,
@@ -18,11 +19,13 @@ from .integration import release_deepspeed_shm, shutdown
 from .layers import UnsupportedLayerError, register_adapter
 from .optimizers import Lamb, build_optimizer, resolve_lamb
 from .preconditioner import KFACPreconditioner
+from .preconditioning import preconditioned_parameters
 
 __version__ = "0.1.0"
 
 _DEEPSPEED_API = {
     "initialize": "initialize",
+    "init_distributed": "extensions",
     "add_config_arguments": "initialize",
     "KFACEngine": "engine",
     "KFACPipelineEngine": "pipeline",
@@ -54,7 +57,9 @@ __all__ = [
     "UnsupportedLayerError",
     "add_config_arguments",
     "build_optimizer",
+    "init_distributed",
     "initialize",
+    "preconditioned_parameters",
     "register_adapter",
     "release_deepspeed_shm",
     "resolve_lamb",

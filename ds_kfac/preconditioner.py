@@ -18,7 +18,8 @@ One optimizer step is a pipeline of named stages, run top to bottom by
 4. **gather gradients**: each layer whose reduced gradient this rank holds
    becomes a :class:`~ds_kfac.placement.LayerWork`, with its whole gradient
    matrix ``g`` where this rank preconditions it;
-5. **precondition**: ``g`` becomes ``P(g)``;
+5. **precondition**: ``g`` becomes ``P(g)`` (with ``eigenbasis_moments``, the base optimizer's normalised
+   direction from moments kept in the eigenbasis, :mod:`ds_kfac.curvature.moments`);
 6. **clip**: every ``P(g)`` is scaled by the KL-clip factor ``nu``
    (:mod:`ds_kfac.placement.kl_clip`);
 7. **share**: gradient workers broadcast their results to the ranks that hold
@@ -45,10 +46,12 @@ from .collection import FactorCollector, LossScale
 from .comm import DEFAULT_BUCKET_BYTES, data_parallel_rank
 from .config import KFACConfig, resolve
 from .curvature import AdaptiveRefresh, StackedStates
+from .curvature.moments import MomentRule
 from .health import Health
 from .layers import SkippedLayer
 from .placement import Distributor, GradientLayout, KLClip, WholeGradients, blocks_of, gather_work, write_work
 from .preconditioning import DecompositionSchedule, Reporting, SampledFisher, checked_config, register_layers
+from .preconditioning.build import moment_rule, refuse_unflagged
 from .state import Snapshot, TrainingState
 from .timing import PhaseTimer
 
@@ -92,6 +95,10 @@ class KFACPreconditioner(SampledFisher, Reporting):
             the default is each parameter's whole ``.grad`` (plain PyTorch, DDP, ZeRO stage 0; with
             tensor-parallel layers, :class:`~ds_kfac.placement.TensorParallelGradients`). The
             :class:`ds_kfac.KFACEngine` passes the layout of its ZeRO stage 1-3.
+        moments: with ``eigenbasis_moments``, the base optimizer's per-element rule applied in the eigenbasis;
+            default: read from ``optimizer`` (:func:`ds_kfac.optimizers.moment_settings`), whose groups flagged
+            by :func:`ds_kfac.optimizers.split_groups` must hold exactly the registered layers' parameters.
+            The :class:`ds_kfac.KFACEngine` passes the rule of the optimizer it built.
         model_parallel_group: the ranks holding the other parts of this rank's model replica
             (tensor-parallel shards, pipeline stages; Megatron's and DeepSpeed's
             ``mpu.get_model_parallel_group()``). The KL clip's sum is completed over it, so every
@@ -117,10 +124,13 @@ class KFACPreconditioner(SampledFisher, Reporting):
         process_group: Optional[ProcessGroup] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         layout: Optional[GradientLayout] = None,
+        moments: Optional[MomentRule] = None,
         model_parallel_group: Optional[ProcessGroup] = None,
         **keys: Any,
     ) -> None:
         self.config = checked_config(config, keys, optimizer, lr, accumulation_steps, micro_batch)
+        self.moment_rule = moment_rule(self.config, moments, optimizer)
+        """The base optimizer's rule that ``eigenbasis_moments`` applies in the eigenbasis (else ``None``)."""
         self.optimizer = optimizer
         self.lr = lr
         self.accumulation_steps = accumulation_steps
@@ -131,6 +141,8 @@ class KFACPreconditioner(SampledFisher, Reporting):
         warn = data_parallel_rank(process_group) == 0  # no layer registered, tied layers: said once, by rank 0
         registered = register_layers(model, self.config, process_group, layout, model_parallel_group, warn)
         self.skipped_layers, self.blocks = registered.skipped, registered.blocks
+        if self.moment_rule is not None and moments is None:
+            refuse_unflagged(self.blocks, optimizer)
         self.model_parallel_group = registered.model_parallel_group
         self.layout = registered.layout or WholeGradients()
         """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
@@ -223,9 +235,13 @@ class KFACPreconditioner(SampledFisher, Reporting):
         with self.timer.phase("precondition"):
             damping = self.config.at("damping", s)
             graft = self.config.grafting == "gradient"
-            results = self._stacks.precondition(blocks, [w.grad for w in mine], damping, graft)  # 5: precondition
+            grads = [w.grad for w in mine]
+            scale = self.layout.grad_scale() if self.moment_rule is not None else 1.0
+            if scale != 1.0:  # the moments see unscaled gradients; the direction is written with the scale
+                grads = [g / scale for g in grads]
+            results = self._stacks.precondition(blocks, grads, damping, graft, self.moment_rule)  # 5: precondition
             for w, result in zip(mine, results):
-                w.result = result
+                w.result = result if scale == 1.0 else result.mul_(scale)
             if self.config.kl_clip is not None:  # 6: clip
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
                 self.state.scalars.last_nu = self.kl_clip.clip(work, self.config.at("kl_clip", s), lr)

@@ -1,7 +1,7 @@
 """The state a K-FAC step changes, in one place: what snapshot/restore and checkpoints cover.
 
-A step changes the blocks' running factors, eigenvalue corrections and decompositions, the adaptive
-refresh schedule, and the scalars held here (:class:`TrainingState`): the
+A step changes the blocks' running factors, eigenvalue corrections, decompositions and eigenbasis
+moments, the adaptive refresh schedule, and the scalars held here (:class:`TrainingState`): the
 step count, the health counters, the last KL-clip factor, the background
 decompositions in flight and the layers that have had factors. Keeping them
 together means a skipped step is undone completely (DeepSpeed's overflow
@@ -50,8 +50,9 @@ class Snapshot:
     """What :meth:`TrainingState.restore` needs to undo a step (references, not copies)."""
 
     scalars: Scalars
-    blocks: list[tuple[dict[str, Optional[torch.Tensor]], Optional[State]]]
-    """Per block, its running statistics' values by name (``A``, ``G``, ``S``) and its decomposition."""
+    blocks: list[tuple[dict[str, Optional[torch.Tensor]], Optional[State], Optional[tuple]]]
+    """Per block, its running statistics' values by name (``A``, ``G``, ``S``), its decomposition and, with
+    ``eigenbasis_moments``, its moments' value and update count."""
     refresh: Optional[dict]
 
 
@@ -67,15 +68,24 @@ class TrainingState:
         s = self.scalars
         return Snapshot(
             scalars=dataclasses.replace(s, counters=defaultdict(int, s.counters)),
-            blocks=[({k: stat.value for k, stat in b.statistics().items()}, b.decomposition) for b in self.blocks],
+            blocks=[
+                (
+                    {k: stat.value for k, stat in b.statistics().items()},
+                    b.decomposition,
+                    None if b.moments is None else (b.moments.value, b.moments.steps),
+                )
+                for b in self.blocks
+            ],
             refresh=self.refresh.snapshot() if self.refresh is not None else None,
         )
 
     def restore(self, snap: Snapshot) -> None:
-        for b, (values, state) in zip(self.blocks, snap.blocks):
+        for b, (values, state, moments) in zip(self.blocks, snap.blocks):
             for k, stat in b.statistics().items():
                 stat.value = values[k]
             b.decomposition = state
+            if moments is not None:
+                b.moments.value, b.moments.steps = moments
         self.scalars = dataclasses.replace(snap.scalars, counters=defaultdict(int, snap.scalars.counters))
         if self.refresh is not None:
             self.refresh.restore(snap.refresh)

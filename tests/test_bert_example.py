@@ -36,8 +36,20 @@ def metrics(out: Path, run: str) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_phase1_then_phase2_from_its_checkpoint(tmp_path: Path) -> None:
-    pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "30")
+PHASE1 = ("--max-steps", "30", "--eval-every", "15")
+
+
+@pytest.fixture(scope="module")
+def phase1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phase 1 with K-FAC, 30 steps: the output directory (its corpus, tokenizer and encoding caches are shared by
+    this module's later launches)."""
+    out = tmp_path_factory.mktemp("bert")
+    pretrain("bert_cpu_phase1_kfac.json", out, *PHASE1)
+    return out
+
+
+def test_phase1_then_phase2_from_its_checkpoint(phase1_run: Path) -> None:
+    tmp_path = phase1_run
     phase1 = metrics(tmp_path, "bert_cpu_phase1_kfac")
     assert [int(r["step"]) for r in phase1] == list(range(1, 31))
     assert all(math.isfinite(float(r["loss"])) for r in phase1)
@@ -48,7 +60,9 @@ def test_phase1_then_phase2_from_its_checkpoint(tmp_path: Path) -> None:
     assert corpus["embedded"] == "stdlib" and corpus["versions"] == {"python": platform.python_version()}
     assert len(corpus["digest"]) == 64 and corpus["train_pairs"] > 4000 and corpus["held_out_pairs"] > 100
 
-    ckpt = str(tmp_path / "bert_cpu_phase1_kfac/checkpoints")
+    # A run directory as --init-checkpoint: its checkpoints/ and the tokenizer/ the run saved.
+    assert (tmp_path / "bert_cpu_phase1_kfac/tokenizer/tokenizer.json").is_file()
+    ckpt = str(tmp_path / "bert_cpu_phase1_kfac")
     pretrain(
         "bert_cpu_phase2_kfac.json",
         tmp_path,
@@ -61,22 +75,25 @@ def test_phase1_then_phase2_from_its_checkpoint(tmp_path: Path) -> None:
     )
     pretrain("bert_cpu_phase2_kfac.json", tmp_path, "--max-steps", "2", "--run-name", "from_scratch")
     first = {run: float(metrics(tmp_path, run)[0]["loss"]) for run in ("from_phase1", "from_scratch")}
-    # Phase 2 starts where phase 1 ended (its last training loss), well below a fresh model.
+    # Phase 2 starts where phase 1 ended (its last training losses: one batch of 32 varies by about 0.2), well below
+    # a fresh model.
+    ended = sum(float(r["loss"]) for r in phase1[-5:]) / 5
     assert first["from_phase1"] < first["from_scratch"] - 0.2, first
-    assert abs(first["from_phase1"] - float(phase1[-1]["loss"])) < 0.15, (first, phase1[-1]["loss"])
+    assert abs(first["from_phase1"] - ended) < 0.2, (first, ended)
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert "from_phase1" in (tmp_path / "summary.txt").read_text()
 
 
-def test_resume_continues_with_identical_losses(tmp_path: Path) -> None:
-    pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "straight")
-    pretrain(
-        "bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "interrupted", "--stop-after", "5"
-    )
-    assert len(metrics(tmp_path, "interrupted")) == 5
-    pretrain("bert_cpu_phase1_kfac.json", tmp_path, "--max-steps", "8", "--run-name", "interrupted", "--resume")
-    straight, resumed = metrics(tmp_path, "straight"), metrics(tmp_path, "interrupted")
-    assert [r["step"] for r in resumed] == [str(s) for s in range(1, 9)]
+def test_resume_continues_with_identical_losses(phase1_run: Path) -> None:
+    """The phase-1 run again, stopped after step 20 (a checkpoint) and resumed: every step's losses, learning rate and
+    evaluations equal the uninterrupted run's (data order, masks and dropout are functions of the step; the
+    decompositions of steps 20 and 30 and the eigenbasis moments come from the checkpoint)."""
+    tmp_path = phase1_run
+    pretrain("bert_cpu_phase1_kfac.json", tmp_path, *PHASE1, "--run-name", "interrupted", "--stop-after", "20")
+    assert len(metrics(tmp_path, "interrupted")) == 20
+    pretrain("bert_cpu_phase1_kfac.json", tmp_path, *PHASE1, "--run-name", "interrupted", "--resume")
+    straight, resumed = metrics(tmp_path, "bert_cpu_phase1_kfac"), metrics(tmp_path, "interrupted")
+    assert [r["step"] for r in resumed] == [str(s) for s in range(1, 31)]
     assert len(list((tmp_path / "encoding-cache").glob("*.npz"))) == 2  # Training and held-out, from the first run.
     for key in ("loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key

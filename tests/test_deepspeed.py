@@ -143,20 +143,23 @@ BF16_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Every 2-rank scenario of this module in one launch (each launch costs the ranks' start-up): the ZeRO, bf16
+    and placement variants, and the loss-scale, checkpoint and other-world-size scenarios of the tests below."""
     out = tmp_path_factory.mktemp("equivalence")
     variants = {**ZERO_VARIANTS, **BF16_VARIANTS}
-    scenarios = [{"ds": ds, "kfac": KFAC, "steps": STEPS} for ds in variants.values()]
+    scenarios = {name: {"ds": ds, "kfac": KFAC, "steps": STEPS} for name, ds in variants.items()}
     for name, extra in PLACEMENT_VARIANTS.items():
-        variants[name] = {}
-        scenarios.append(
-            {
-                "ds": extra.get("ds", {}),
-                "kfac": {**KFAC, **extra["kfac"]},
-                "steps": STEPS,
-                "model": extra.get("model", "mlp"),
-            }
-        )
-    return dict(zip(variants, launch.deepspeed_run(WORLD, out, scenarios)))
+        scenarios[name] = {
+            "ds": extra.get("ds", {}),
+            "kfac": {**KFAC, **extra["kfac"]},
+            "steps": STEPS,
+            "model": extra.get("model", "mlp"),
+        }
+    scenarios.update(loss_scale_scenarios())
+    scenarios.update(resume_scenarios(out))
+    scenarios["saved_for_world1"] = {"kfac": KFAC, "steps": 3, "save": {"dir": str(out / "ckpt-world1"), "at": 3}}
+    results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
+    return {**results, "checkpoint_for_world1": str(out / "ckpt-world1")}
 
 
 @pytest.mark.parametrize("variant", list(ZERO_VARIANTS) + list(PLACEMENT_VARIANTS) + list(BF16_VARIANTS))
@@ -245,17 +248,22 @@ def test_hybrid_fractions_under_zero_follow_partition_owners(tmp_path: Path) -> 
         assert any(len(h) > 1 for h in results[0]["holders"].values()), "ZeRO should split a layer"
 
 
-def test_loss_scale_and_overflow(tmp_path: Path) -> None:
+def loss_scale_scenarios() -> dict[str, dict]:
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+    return {
+        "bf16_plain": {"ds": bf16, "kfac": KFAC, "steps": 4},
+        "bf16_scaled": {"ds": bf16, "kfac": KFAC, "steps": 4, "loss_scale": 1024},
+        "bf16_overflow": {"ds": bf16, "kfac": KFAC, "steps": 5, "nan_step": 2},
+        "bf16_skipped": {"ds": bf16, "kfac": KFAC, "steps": 5, "skip_steps": [2]},
+    }
+
+
+def test_loss_scale_and_overflow(equivalence_runs: dict) -> None:
     """bf16 ZeRO 1 with an injected static loss scale gives the unscaled run's result; a step
     DeepSpeed skips for a non-finite gradient leaves no trace in K-FAC's state."""
-    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
-    scenarios = [
-        {"ds": bf16, "kfac": KFAC, "steps": 4},
-        {"ds": bf16, "kfac": KFAC, "steps": 4, "loss_scale": 1024},
-        {"ds": bf16, "kfac": KFAC, "steps": 5, "nan_step": 2},
-        {"ds": bf16, "kfac": KFAC, "steps": 5, "skip_steps": [2]},
-    ]
-    plain, scaled, overflow, skipped = (r[0] for r in launch.deepspeed_run(WORLD, tmp_path, scenarios))
+    plain, scaled, overflow, skipped = (
+        equivalence_runs[name][0] for name in ("bf16_plain", "bf16_scaled", "bf16_overflow", "bf16_skipped")
+    )
     for a, b in zip(plain["params"], scaled["params"]):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
     for name in plain["kfac"]["layers"]:
@@ -279,17 +287,28 @@ OPTIONS = {"eigenvalue_correction": True, "fisher": "sampled", "batchnorm": "uni
 RESUMED_OPTIONS = {0: OPTIONS, 2: {**OPTIONS, "grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"}}
 
 
+def resume_scenarios(out: Path) -> dict[str, dict]:
+    """Per ZeRO stage (0, 2), plain and with every curvature option: a run saved after step 3 of 6, and one
+    resumed from that checkpoint (the saving one runs first)."""
+    scenarios = {}
+    for stage in (0, 2):
+        for name, keys, model in (("plain", {}, "mlp"), ("options", RESUMED_OPTIONS[stage], "batchnorm")):
+            ckpt = str(out / f"ckpt-{stage}-{name}")
+            common = {"ds": {"zero_optimization": {"stage": stage}}, "kfac": {**KFAC, **keys}, "steps": 6}
+            scenarios[f"resume{stage}_{name}_straight"] = {**common, "model": model, "save": {"dir": ckpt, "at": 3}}
+            scenarios[f"resume{stage}_{name}_resumed"] = {**common, "model": model, "load": ckpt}
+    return scenarios
+
+
 @pytest.mark.parametrize("stage", [0, 2])
-def test_checkpoint_resume_is_bitwise(tmp_path: Path, stage: int) -> None:
+def test_checkpoint_resume_is_bitwise(equivalence_runs: dict, stage: int) -> None:
     """Saved after step 3 of 6 (a decomposition at step 4 re-projects S after the resume), the resumed run equals the
     straight one bit for bit on every rank, plain and with every curvature option (:data:`RESUMED_OPTIONS`)."""
-    ds = {"zero_optimization": {"stage": stage}}
-    scenarios = []
-    for name, keys, model in (("plain", {}, "mlp"), ("options", RESUMED_OPTIONS[stage], "batchnorm")):
-        ckpt = str(tmp_path / f"ckpt-{name}")
-        common = {"ds": ds, "kfac": {**KFAC, **keys}, "steps": 6, "model": model}
-        scenarios += [{**common, "save": {"dir": ckpt, "at": 3}}, {**common, "load": ckpt}]
-    runs = launch.deepspeed_run(WORLD, tmp_path, scenarios)
+    runs = [
+        equivalence_runs[f"resume{stage}_{name}_{kind}"]
+        for name in ("plain", "options")
+        for kind in ("straight", "resumed")
+    ]
     for straight, resumed in zip(runs[::2], runs[1::2]):
         assert resumed[0]["kfac"]["steps"] == 6  # the whole state is on rank 0 only
         assert resumed[0]["kfac"]["counters"] == straight[0]["kfac"]["counters"]
@@ -301,10 +320,9 @@ def test_checkpoint_resume_is_bitwise(tmp_path: Path, stage: int) -> None:
     assert {key for entry in options["layers"].values() for key in entry} >= {"A", "G", "S", "F"}
 
 
-def test_resume_at_another_world_size(tmp_path: Path) -> None:
+def test_resume_at_another_world_size(equivalence_runs: dict, tmp_path: Path) -> None:
     """K-FAC state saved at world size 2 (stage 0) resumes at world size 1 with the same global batch."""
-    ckpt = str(tmp_path / "ckpt")
-    launch.deepspeed_run(WORLD, tmp_path, [{"kfac": KFAC, "steps": 3, "save": {"dir": ckpt, "at": 3}}])
+    ckpt = equivalence_runs["checkpoint_for_world1"]
     (single,) = launch.deepspeed_run(1, tmp_path, [{"kfac": KFAC, "steps": 6, "ga": GA * WORLD, "load": ckpt}])
     expected, _ = reference(6)
     assert single[0]["kfac"]["steps"] == 6

@@ -27,6 +27,7 @@ STAGE = {1: 0, 2: 2}  # ZeRO stage of each world size's launch
 MICRO, GA, CLIP, LR = 2, 2, 1.0, 0.05  # as in workers/hf_worker.py
 BF16_WORLDS = {2}  # bf16 (Trainer's bf16=True, "bf16": {"enabled": "auto"}) in the 2-rank launch only
 SAMPLED_WORLDS = {2}  # the sampled Fisher ("fisher": "sampled", KFACTrainer(fisher_loss="mse")) likewise
+EIGENBASIS_WORLDS = {2}  # a JSON AdamW with "eigenbasis_moments": true likewise
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
@@ -47,6 +48,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if world in SAMPLED_WORLDS:
         scenarios["sampled_trainer"] = {"run": "trainer", "fisher": "sampled", **common}
         scenarios["sampled_direct"] = {"run": "direct", "fisher": "sampled", **common}
+    if world in EIGENBASIS_WORLDS:
+        scenarios["eigenbasis_trainer"] = {"run": "trainer", "eigenbasis": True, **common}
+        scenarios["eigenbasis_direct"] = {"run": "direct", "eigenbasis": True, **common}
     results = launch.deepspeed_run(world, out, list(scenarios.values()), worker=launch.WORKERS / "hf_worker.py")
     return world, dict(zip(scenarios, results))
 
@@ -112,6 +116,20 @@ def test_sampled_fisher_in_compute_loss_equals_the_direct_loop(runs: tuple[int, 
         for got, want in zip(trainer["params"], direct["params"]):
             assert torch.equal(got, want)
         assert not all(torch.equal(a, b) for a, b in zip(trainer["params"], empirical["params"]))
+
+
+def test_eigenbasis_moments_under_trainer_equal_the_direct_loop(runs: tuple[int, dict]) -> None:
+    """A JSON AdamW with ``"eigenbasis_moments": true``: Trainer's param groups (decay / no decay) reach
+    ``ds_kfac.initialize`` as ``model_parameters``, which builds ds_kfac's Adam with the K-FAC layers' groups flagged;
+    the parameters equal bitwise those of the hand-driven engine, and differ from plain K-FAC's."""
+    world, results = runs
+    if world not in EIGENBASIS_WORLDS:
+        pytest.skip("the eigenbasis moments run in the 2-rank launch only")
+    for trainer, direct, plain in zip(results["eigenbasis_trainer"], results["eigenbasis_direct"], results["trainer"]):
+        assert trainer["optimizer"] == "Adam" and trainer["kfac_steps"] == trainer["global_step"] == STEPS
+        for got, want in zip(trainer["params"], direct["params"]):
+            assert torch.equal(got, want)
+        assert not all(torch.equal(a, b) for a, b in zip(trainer["params"], plain["params"]))
 
 
 def test_resume_from_trainer_checkpoint_continues_bitwise(runs: tuple[int, dict]) -> None:

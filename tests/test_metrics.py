@@ -78,6 +78,7 @@ def test_every_option_on_counts_blocks_and_sampled_passes(gathering: Optional[in
     metrics = kfac.metrics()
     assert {k: v for k, v in metrics.items() if k.startswith(("kfac/option/", "kfac/blocks/"))} == {
         **{f"kfac/option/{name}": 1.0 for name in OPTIONS},
+        "kfac/option/eigenbasis_moments": 0.0,
         "kfac/blocks/kronecker": 2.0,
         "kfac/blocks/eigenvalue_corrected": 2.0,
         "kfac/blocks/unit_wise": 1.0,
@@ -99,7 +100,7 @@ def test_without_the_options_nothing_is_sampled_or_corrected() -> None:
     assert _run(model, kfac, range(3), micro) == (0, 0)
     metrics = kfac.metrics()
     assert {k: v for k, v in metrics.items() if k.startswith(("kfac/option/", "kfac/blocks/"))} == {
-        **{f"kfac/option/{name}": 0.0 for name in OPTIONS},
+        **{f"kfac/option/{name}": 0.0 for name in (*OPTIONS, "eigenbasis_moments")},
         "kfac/blocks/kronecker": 2.0,
         "kfac/blocks/eigenvalue_corrected": 0.0,
         "kfac/blocks/unit_wise": 0.0,

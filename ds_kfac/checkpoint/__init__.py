@@ -4,4 +4,12 @@ before anything is installed (:mod:`.validation`)."""
 from .record import METHOD_KEYS, STATE_VERSION, LayerRecord
 from .validation import CheckedState, ExpectedLayer, ExpectedState, check_state
 
-__all__ = ["METHOD_KEYS", "STATE_VERSION", "CheckedState", "ExpectedLayer", "LayerRecord", "ExpectedState", "check_state"]
+__all__ = [
+    "METHOD_KEYS",
+    "STATE_VERSION",
+    "CheckedState",
+    "ExpectedLayer",
+    "LayerRecord",
+    "ExpectedState",
+    "check_state",
+]

@@ -10,6 +10,8 @@ import dataclasses
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
+
 from ..curvature import blocks_device
 from ..placement.state_gather import gather_state
 from ..state import Scalars
@@ -48,6 +50,11 @@ def _method_keys(kfac: KFACPreconditioner) -> dict[str, Any]:
 def _local_state(kfac: KFACPreconditioner) -> dict[str, LayerRecord]:
     """This rank's view of every layer's state: references to what it holds, ``None`` elsewhere."""
     state = {b.name: LayerRecord({k: s.value for k, s in b.statistics().items()}, b.decomposition) for b in kfac.blocks}
+    for b in kfac.blocks:
+        if b.moments is not None:
+            value, steps = b.moments.value, torch.tensor(b.moments.steps, dtype=torch.int64)
+            state[b.name].moments = None if value is None else (*value, steps.to(value[0].device))
+            state[b.name].has_moments = True
     if kfac.refresh is not None:
         for (name, side), f in kfac.refresh.factors.items():
             state[name].references[side] = [f.last, f.before_last]
@@ -76,6 +83,7 @@ def _expected_state(kfac: KFACPreconditioner) -> ExpectedState:
         method_keys=_method_keys(kfac),
         layers=layers,
         adaptive=kfac.refresh is not None,
+        moments=kfac.config.eigenbasis_moments,
     )
 
 
@@ -95,6 +103,11 @@ def load_state_dict(kfac: KFACPreconditioner, state: Union[dict[str, Any], Check
             stat.value = value.to(device, factor_dtype) if kept else None
         held = distributor.holds_decomposition(b) and record.decomposition is not None
         b.decomposition = tuple(t.to(device, inv_dtype) for t in record.decomposition) if held else None
+        if b.moments is not None:
+            mine = distributor.rank in distributor.preconditioners(b) and record.moments is not None
+            m, v, steps = record.moments if mine else (None, None, 0)
+            b.moments.value = (m.to(device, inv_dtype), v.to(device, inv_dtype)) if mine else None
+            b.moments.steps = steps
     kfac.discard_step_statistics()
     if kfac.refresh is not None:
         kfac.refresh.load_state_dict(state["refresh"])

@@ -19,6 +19,7 @@ METHOD_KEYS = (
     "compute_method",
     "eigenvalue_outer_product",
     "eigenvalue_correction",
+    "eigenbasis_moments",
     "relative_damping",
     "conv_factors",
     "fisher",
@@ -40,17 +41,24 @@ DECOMPOSITION = "state"
 
 REFERENCES_SUFFIX = "_refs"
 
+MOMENTS = "moments"
+"""A layer entry's eigenbasis moments (``eigenbasis_moments``): ``None`` or a dict of :data:`MOMENT_KEYS`."""
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "step")
+"""The moments' entry: ``m`` and ``v`` (``g_dim x a_dim``, in the layer's saved eigenbasis) and their update count,
+named as ``torch.optim.Adam`` names its state."""
+
 
 def references_key(side: str) -> str:
     """The entry key of statistic ``side``'s adaptive-refresh references, ``<side>_refs``."""
     return f"{side}{REFERENCES_SUFFIX}"
 
 
-def layer_keys(statistics: Iterable[str], sides: Iterable[str], adaptive: bool) -> tuple[str, ...]:
-    """The keys of a saved layer entry, in the order saved: the shape, each running statistic, the decomposition
-    and, with adaptive refresh, each decomposed side's references."""
+def layer_keys(statistics: Iterable[str], sides: Iterable[str], adaptive: bool, moments: bool) -> tuple[str, ...]:
+    """The keys of a saved layer entry, in the order saved: the shape, each running statistic, the decomposition,
+    with adaptive refresh each decomposed side's references, and with ``eigenbasis_moments`` the moments."""
     refs = tuple(map(references_key, sides)) if adaptive else ()
-    return (SHAPE, *statistics, DECOMPOSITION, *refs)
+    return (SHAPE, *statistics, DECOMPOSITION, *refs, *((MOMENTS,) if moments else ()))
 
 
 @dataclass
@@ -65,6 +73,10 @@ class LayerRecord:
     decomposition: Optional[Sequence[torch.Tensor]] = None
     references: dict[str, Sequence[Optional[torch.Tensor]]] = field(default_factory=dict)
     """Adaptive refresh: per decomposed side, the statistic at its last two refreshes ``[last, before_last]``."""
+    moments: Optional[Sequence[torch.Tensor]] = None
+    """``eigenbasis_moments``: ``(m, v, step)``, the step count a 0-dim int64 tensor (so that it travels with them)."""
+    has_moments: bool = False
+    """Whether the entry has a moments key (``eigenbasis_moments``), ``None`` or not."""
     shape: Optional[tuple[int, int]] = None
     """``(a_dim, g_dim)``: set on the saved record only."""
 
@@ -74,15 +86,20 @@ class LayerRecord:
         entry.update(self.statistics)
         entry[DECOMPOSITION] = self.decomposition
         entry.update({references_key(side): refs for side, refs in self.references.items()})
+        if self.has_moments:
+            m = self.moments
+            entry[MOMENTS] = None if m is None else dict(zip(MOMENT_KEYS, (m[0], m[1], int(m[2]))))
         return entry
 
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> LayerRecord:
         """The record of a saved entry that :mod:`.validation` accepted."""
-        record = cls(decomposition=entry[DECOMPOSITION], shape=entry.get(SHAPE))
+        record = cls(decomposition=entry[DECOMPOSITION], shape=entry.get(SHAPE), has_moments=MOMENTS in entry)
         for key, value in entry.items():
             if key.endswith(REFERENCES_SUFFIX):
                 record.references[key[: -len(REFERENCES_SUFFIX)]] = value
+            elif key == MOMENTS:
+                record.moments = None if value is None else tuple(value[k] for k in MOMENT_KEYS)
             elif key not in (SHAPE, DECOMPOSITION):
                 record.statistics[key] = value
         return record

@@ -26,6 +26,8 @@ from ..curvature.refresh import factor_name
 from .record import (
     DECOMPOSITION,
     METHOD_KEYS,
+    MOMENT_KEYS,
+    MOMENTS,
     OPTIONAL_KEYS,
     REQUIRED_KEYS,
     SHAPE,
@@ -57,6 +59,8 @@ class ExpectedState:
     layers: dict[str, ExpectedLayer]
     adaptive: bool
     """Whether decompositions refresh adaptively (the state then holds the schedule and each side's references)."""
+    moments: bool = False
+    """Whether each layer holds its eigenbasis moments (``eigenbasis_moments``)."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ def _layer_problems(
     where = f"layer {name!r}"
     if not isinstance(entry, dict):
         return [f"{where} must be a dict, got {_describe(entry)}"]
-    keys = layer_keys(expected.statistics, expected.sides, setup.adaptive)
+    keys = layer_keys(expected.statistics, expected.sides, setup.adaptive, setup.moments)
     problems = _key_problems(where, entry, keys, keys)
     if problems:
         return problems
@@ -208,6 +212,25 @@ def _layer_problems(
             continue
         for i, ref in enumerate(pair):
             problems += _tensor_problems(f"{where}: {key}[{i}]", ref, expected.statistics[side], tensors)
+    if setup.moments:
+        problems += _moment_problems(where, entry[MOMENTS], (g, a), tensors)
+    return problems
+
+
+def _moment_problems(where: str, moments: Any, shape: Shape, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The eigenbasis moments: ``None``, or ``m`` and ``v`` (``g_dim x a_dim``, ``v >= 0``) and a step count."""
+    if moments is None:
+        return []
+    if not (isinstance(moments, dict) and set(moments) == set(MOMENT_KEYS)):
+        return [f"{where}: {MOMENTS} must be None or a dict of {list(MOMENT_KEYS)}, got {_describe(moments)}"]
+    problems = []
+    if not _is_count(moments["step"]):
+        problems.append(f"{where}: {MOMENTS}['step'] must be a non-negative int, got {_describe(moments['step'])}")
+    for key in MOMENT_KEYS[:2]:
+        problems += _tensor_problems(f"{where}: {MOMENTS}[{key!r}]", moments[key], shape, tensors)
+    v = moments["exp_avg_sq"]
+    if not problems and bool((v < 0).any()):
+        problems.append(f"{where}: {MOMENTS}['exp_avg_sq'] has negative entries (a second moment is >= 0)")
     return problems
 
 

@@ -12,7 +12,15 @@ import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, UNDERFLOW, Range
 from .schedules import PiecewiseSchedule, resolve
@@ -121,6 +129,7 @@ class KFACConfig(BaseModel):
     eigenvalue_correction: bool = False
     fisher: Literal["empirical", "sampled"] = "empirical"
     batchnorm: Literal["none", "unit-wise"] = "none"
+    eigenbasis_moments: bool = False
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"
@@ -165,6 +174,40 @@ class KFACConfig(BaseModel):
                 "1 / (v_G v_A^T + damping) per decomposition, the correction S changes at every factor-update step)"
             )
         return v
+
+    @field_validator("eigenbasis_moments")
+    @classmethod
+    def _moments_need_plain_eigen(cls, v: bool, info: ValidationInfo) -> bool:
+        # Declared after every key it is checked against, so those are in info.data when they are valid.
+        if not v:
+            return v
+        method = info.data.get("compute_method")
+        if method not in (None, "eigen"):
+            raise ValueError(f"true needs compute_method 'eigen' (an eigenbasis), this config has {method!r}")
+        clashes = {
+            "eigenvalue_outer_product": (True, "nothing divides by the eigenvalues, so there is nothing to cache"),
+            "eigenvalue_correction": (True, "both divide by a second moment in the eigenbasis: keep one"),
+            "grafting": ("gradient", "the direction has the base optimizer's per-element scale already"),
+            "batchnorm": ("unit-wise", "a unit-wise block has no eigenbasis: leave BatchNorm to the base optimizer"),
+        }
+        for key, (value, why) in clashes.items():
+            if info.data.get(key) == value:
+                raise ValueError(f"true cannot be combined with {key}={value!r} ({why})")
+        if info.data.get("kl_clip") is not None:
+            raise ValueError(
+                f"true takes no KL clip, this config has kl_clip={info.data['kl_clip']!r} (the step is Adam's "
+                f"normalised direction, sized by the base optimizer's learning rate and LAMB's trust ratio): set "
+                f"kl_clip to null or leave it out"
+            )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moments_default_no_kl_clip(cls, data: Any) -> Any:
+        """With ``eigenbasis_moments`` the KL clip is off by default (a value given for it is refused)."""
+        if isinstance(data, dict) and data.get("eigenbasis_moments") is True and "kl_clip" not in data:
+            return {**data, "kl_clip": None}
+        return data
 
     @field_validator("skip_layers")
     @classmethod

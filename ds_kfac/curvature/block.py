@@ -29,6 +29,8 @@ from ..layers.base import LayerAdapter
 from .correction import EigenvalueCorrection
 from .decomposition import Decomposition, Shape, State
 from .factors import KroneckerFactor, RunningAverage
+from .moments import EigenbasisMoments, MomentRule, step_moments
+from .numerics import in_eigenbasis
 
 
 class CurvatureBlock(ABC):
@@ -52,6 +54,9 @@ class CurvatureBlock(ABC):
         self.inv_dtype = inv_dtype
         self.correction: Optional[EigenvalueCorrection] = None
         """The eigenvalue correction ``S`` (Kronecker blocks with ``eigenvalue_correction`` only)."""
+        self.moments: Optional[EigenbasisMoments] = None
+        """The base optimizer's moments in the eigenbasis (Kronecker blocks with ``eigenbasis_moments``; held by the
+        ranks that precondition the layer)."""
         self._decomposition: Optional[State] = None
         self.decomposition_version = 0
         """Bumped whenever :attr:`decomposition` is assigned, so caches built from it know when to rebuild."""
@@ -125,12 +130,15 @@ class KFACBlock(CurvatureBlock):
         factor_dtype: torch.dtype = torch.float32,
         inv_dtype: torch.dtype = torch.float32,
         eigenvalue_correction: bool = False,
+        eigenbasis_moments: bool = False,
     ) -> None:
         super().__init__(name, adapter, method, inv_dtype)
         self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
         self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
         if eigenvalue_correction:
             self.correction = EigenvalueCorrection(adapter.a_dim, adapter.g_dim, factor_dtype)
+        if eigenbasis_moments:
+            self.moments = EigenbasisMoments()
 
     def statistics(self) -> dict[str, RunningAverage]:
         """``A``, ``G`` and, with the correction, ``S``."""
@@ -173,9 +181,14 @@ class KFACBlock(CurvatureBlock):
         return float(self.adapter.a_dim) ** power, float(self.adapter.g_dim) ** power
 
     def install(self, state: State) -> None:
-        """Adopt a new decomposition. The correction follows a new eigenbasis: ``S`` is re-projected onto it."""
-        if self.correction is not None and self.decomposition is not None:
-            self.correction.rebase(self.method.basis(self.decomposition), self.method.basis(state))
+        """Adopt a new decomposition. The correction and the moments follow a new eigenbasis: ``S`` is
+        re-projected onto it, the moments moved (from the identity before the first decomposition)."""
+        if self.correction is not None or self.moments is not None:  # only the eigen methods have either
+            old = None if self.decomposition is None else self.method.basis(self.decomposition)
+            if self.correction is not None and old is not None:
+                self.correction.rebase(old, self.method.basis(state))
+            if self.moments is not None:
+                self.moments.rebase(old, self.method.basis(state))
         self.decomposition = state
 
 
@@ -245,28 +258,61 @@ class StackedStates:
         return sum(g.cached.numel() * g.cached.element_size() for g in self._groups if g.cached is not None)
 
     def precondition(
-        self, blocks: Sequence[CurvatureBlock], grads: Sequence[torch.Tensor], damping: float, graft: bool = False
+        self,
+        blocks: Sequence[CurvatureBlock],
+        grads: Sequence[torch.Tensor],
+        damping: float,
+        graft: bool = False,
+        moments: Optional[MomentRule] = None,
     ) -> list[torch.Tensor]:
         """``P(grad)`` of each block, in its decomposition's dtype; the gradient itself before its first, and
         while its decomposition has no usable curvature (relative damping of a dead layer).
 
         With ``graft``, each ``P(grad)`` is rescaled to the L2 norm of its ``grad`` (layer-wise norm
-        grafting): K-FAC chooses the direction, the gradient keeps its magnitude."""
+        grafting): K-FAC chooses the direction, the gradient keeps its magnitude. With ``moments`` (the base
+        optimizer's rule, ``eigenbasis_moments``), each block's gradient instead updates its moments in its
+        eigenbasis (the identity before its first decomposition) and the result is their normalised direction
+        (:mod:`.moments`)."""
         self.prepare(blocks)
-        out = [g.to(b.inv_dtype) if b.decomposition is None else None for b, g in zip(blocks, grads)]
+        out: list[Optional[torch.Tensor]] = []
+        for b, g in zip(blocks, grads):
+            if b.decomposition is not None:
+                out.append(None)
+            elif moments is not None:
+                out.append(step_moments([b.moments], g[None].to(b.inv_dtype), moments)[0])
+            else:
+                out.append(g.to(b.inv_dtype))
         for group in self._groups:
             positions, state, method = group.positions, group.state, blocks[group.positions[0]].method
-            if group.cached_for != damping:
-                group.cached, group.cached_for = method.precompute(state, damping), damping
             stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
-            result = method.precondition(state, stacked, damping, group.cached, _scaling(blocks, positions))
-            if graft:
-                result = _graft(result, stacked)
-            if group.uncurved is not None:
-                result = torch.where(group.uncurved[:, None, None], stacked, result)
+            if moments is not None:
+                held = [blocks[i].moments for i in positions]
+                qa, qg = method.basis(state)
+                result = in_eigenbasis(qa, qg, stacked, lambda rotated: step_moments(held, rotated, moments))
+            else:
+                result = self._precondition_group(group, method, stacked, damping, _scaling(blocks, positions), graft)
             for j, i in enumerate(positions):
                 out[i] = result[j]
         return out
+
+    @staticmethod
+    def _precondition_group(
+        group: _Group,
+        method: Decomposition,
+        stacked: torch.Tensor,
+        damping: float,
+        scaling: Optional[torch.Tensor],
+        graft: bool,
+    ) -> torch.Tensor:
+        """``P`` of one group's stacked gradients by its method (grafted, the uncurved blocks passed through)."""
+        if group.cached_for != damping:
+            group.cached, group.cached_for = method.precompute(group.state, damping), damping
+        result = method.precondition(group.state, stacked, damping, group.cached, scaling)
+        if graft:
+            result = _graft(result, stacked)
+        if group.uncurved is not None:
+            result = torch.where(group.uncurved[:, None, None], stacked, result)
+        return result
 
     def stale(self, blocks: Sequence[CurvatureBlock]) -> bool:
         """Whether the stacks are not those of ``blocks`` and their current states."""

@@ -16,6 +16,7 @@ from typing import Union
 import torch
 
 from .factors import RunningAverage, compute_dtype
+from .numerics import change_basis
 
 PER_EXAMPLE_ELEMENTS = 2**24
 """At most this many elements of per-example gradients (``examples x g_dim x a_dim``) exist at once: examples with
@@ -61,15 +62,10 @@ class EigenvalueCorrection(RunningAverage):
         self.add(statistic.mul_(scale * scale / examples))
 
     def rebase(self, old: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Re-project ``S`` from eigenbasis ``old`` (``Q_A, Q_G``) onto ``new``: ``S' = R_G S R_A^T`` with
+        """Re-project ``S`` from eigenbasis ``old`` (``Q_A, Q_G``) onto ``new`` (:func:`~.numerics.change_basis`, squared: ``S' = R_G S R_A^T`` with
         ``R[i, k] = (q_new_i . q_old_k)^2``, the diagonal in the new basis of the diagonal second moment ``S``
-        describes in the old one. A side whose basis is the same tensor is left as it is."""
+        describes in the old one)."""
         if self.value is None:
             return
         s = self.value.to(torch.promote_types(compute_dtype(self.dtype), new[0].dtype))
-        (old_a, old_g), (new_a, new_g) = old, new
-        if new_g is not old_g:
-            s = (new_g.mT @ old_g.to(new_g.dtype)).square_().to(s.dtype) @ s
-        if new_a is not old_a:
-            s = s @ (new_a.mT @ old_a.to(new_a.dtype)).square_().to(s.dtype).mT
-        self.value = s.to(self.dtype)
+        self.value = change_basis(s, old, new, squared=True).to(self.dtype)

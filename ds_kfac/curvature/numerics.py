@@ -43,6 +43,34 @@ def in_eigenbasis(
     return qg @ rescale(rotated) @ qa.mT
 
 
+Basis = Optional[tuple[torch.Tensor, torch.Tensor]]
+"""A layer's eigenbasis ``(Q_A, Q_G)``; ``None`` is the identity (no decomposition yet)."""
+
+
+def change_basis(x: torch.Tensor, old: Basis, new: Basis, squared: bool = False) -> torch.Tensor:
+    """``x`` (``d_G x d_A``) given in basis ``old``, in basis ``new``: ``C_G x C_A^T`` with ``C = Q_new^T Q_old``
+    per side. ``squared``: with ``C`` squared elementwise, ``(q_new_i . q_old_k)^2``, which carries a diagonal
+    second moment described in ``old`` to its diagonal in ``new``. A side whose basis is the same tensor in both
+    is left as it is (adaptive refresh renews one side at a time)."""
+    (old_a, old_g), (new_a, new_g) = old or (None, None), new or (None, None)
+    if new_g is not old_g:
+        x = _change(new_g, old_g, squared).to(x.dtype) @ x
+    if new_a is not old_a:
+        x = x @ _change(new_a, old_a, squared).to(x.dtype).mT
+    return x
+
+
+def _change(new: Optional[torch.Tensor], old: Optional[torch.Tensor], squared: bool) -> torch.Tensor:
+    """``Q_new^T Q_old`` (squared elementwise if ``squared``), either basis ``None`` for the identity."""
+    if old is None:
+        change = new.mT
+    elif new is None:
+        change = old
+    else:
+        change = new.mT @ old.to(new.dtype)
+    return change.square() if squared else change
+
+
 def floor_damping(damping: torch.Tensor) -> torch.Tensor:
     """A relative damping kept a normal number (it underflows when a tiny ``damping`` multiplies a small curvature),
     so that no ``0 / 0`` arises; blocks without usable curvature are passed through anyway (:meth:`uncurved`)."""

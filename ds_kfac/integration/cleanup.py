@@ -13,8 +13,11 @@ so :func:`shutdown` also ends plain PyTorch / DDP jobs.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+from typing import IO, Optional, Union
 
 import torch.distributed as dist
 
@@ -46,6 +49,38 @@ def release_port_segments(port: str | int) -> None:
     whose ranks were killed before they could release their own."""
     for segment in port_segments(port):
         segment.unlink(missing_ok=True)
+
+
+def run_launcher(
+    cmd: list[str],
+    port: Union[str, int],
+    timeout: float,
+    cwd: Union[str, Path, None] = None,
+    output: Optional[IO] = None,
+    env: Optional[dict[str, str]] = None,
+) -> Optional[int]:
+    """Run a ``deepspeed`` launcher command (its ``--master_port`` is ``port``) in a process session of its own and
+    return its exit code, ``None`` if it ran past ``timeout`` seconds: on a timeout or failure the whole session is
+    killed, so no rank is left behind, and the port's shared-memory segments are removed (a killed rank cannot
+    remove its own). ``output``: where its stdout and stderr go (default: inherited); ``env``: added to this
+    process's environment for it."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=output,
+        stderr=subprocess.STDOUT if output else None,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        release_port_segments(port)
 
 
 def shutdown() -> None:

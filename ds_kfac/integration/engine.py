@@ -39,6 +39,7 @@ from ..comm import all_reduce_sum_
 from ..config import KFACConfig
 from ..placement import GradientLayout
 from ..preconditioner import KFACPreconditioner
+from ..preconditioning.build import moment_rule
 from .checkpointing import CheckpointMixin, Installer
 from .files import KFAC_STATE, load_file, state_file
 from .layouts import zero_layout
@@ -58,8 +59,11 @@ class KFACEngineMixin(CheckpointMixin):
 
     kfac: KFACPreconditioner
 
-    def __init__(self, *args: Any, kfac_config: KFACConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, kfac_config: KFACConfig, raw_gradient_clipping: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.raw_gradient_clipping = raw_gradient_clipping
+        """With ``eigenbasis_moments``: DeepSpeed's ``gradient_clipping``, applied here to the raw gradients before
+        K-FAC turns them into directions (``ds_kfac.initialize`` sets DeepSpeed's own to 0)."""
         self.kfac = KFACPreconditioner(
             self.module,
             self._kfac_config(kfac_config),
@@ -70,6 +74,7 @@ class KFACEngineMixin(CheckpointMixin):
             micro_batch=self._micro_batch_index(),
             process_group=self._kfac_group(),
             layout=self._gradient_layout(),
+            moments=moment_rule(kfac_config, None, self.basic_optimizer),
             model_parallel_group=self._model_parallel_group(),
         )
         self._preconditioning_verified = False
@@ -117,6 +122,9 @@ class KFACEngineMixin(CheckpointMixin):
         """Precondition the reduced gradients, run ``model_step`` (DeepSpeed's clipping and base optimizer),
         then advance K-FAC, or undo its step if DeepSpeed skipped the update (fp16/bf16 overflow)."""
         snapshot = self.kfac.snapshot()
+        if self.raw_gradient_clipping > 0:
+            trainable = [p for p in self.module.parameters() if p.requires_grad]
+            self.kfac.layout.clip_by_norm(trainable, self.raw_gradient_clipping)
         preconditioned = self.kfac.precondition_gradients()
         if preconditioned and not self._preconditioning_verified:
             self._verify_preconditioning()
@@ -222,9 +230,7 @@ def _read_state(checkpoint: str, name: str = STATE_FILE) -> dict[str, Any]:
     """K-FAC's state from file ``name`` of a checkpoint's tag directory, as saved (CPU tensors, plain containers
     only)."""
     path = os.path.join(checkpoint, name)
-    others = (
-        sorted(f for f in os.listdir(checkpoint) if f.startswith(KFAC_STATE)) if os.path.isdir(checkpoint) else []
-    )
+    others = sorted(f for f in os.listdir(checkpoint) if f.startswith(KFAC_STATE)) if os.path.isdir(checkpoint) else []
     if not os.path.isfile(path) and others:
         raise ValueError(
             f"checkpoint {checkpoint} has no {name} but {others}: it was saved at another tensor-parallel size, and "

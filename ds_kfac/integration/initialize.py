@@ -7,7 +7,11 @@ Same arguments and return values as ``deepspeed.initialize``. Differences:
 * an ``"optimizer"`` of type ``Lamb`` or ``SGD`` in the JSON is built by
   :func:`ds_kfac.optimizers.build_optimizer` (Apex FusedLAMB, DeepSpeed
   FusedLamb, or the pure-PyTorch LAMB), so LAMB configs also run where
-  DeepSpeed's CUDA-only FusedLamb cannot, with or without K-FAC.
+  DeepSpeed's CUDA-only FusedLamb cannot, with or without K-FAC;
+* with ``"eigenbasis_moments": true`` the JSON optimizer (``Lamb``, ``Adam`` or ``AdamW``) is built by
+  ds_kfac with the K-FAC layers' parameters in flagged param groups (:mod:`ds_kfac.optimizers.eigenbasis`),
+  and ``gradient_clipping`` moves from DeepSpeed to the engine, which clips the raw gradients before K-FAC
+  turns them into directions (DeepSpeed would clip the directions).
 
 Everything else, including a config without ``"kfac"`` or with
 ``"enabled": false``, goes to DeepSpeed unchanged. With K-FAC,
@@ -44,16 +48,20 @@ from deepspeed.utils import log_dist, logger
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ..config import KFACConfig
+from ..config import KFACConfig, KFACConfigError
 from ..easgd import EASGDConfig
-from ..optimizers import build_optimizer
+from ..optimizers import build_optimizer, split_groups
+from ..preconditioning.build import moment_rule, preconditioned_parameters
 from .easgd import EASGDEngine, KFACEASGDEngine
 from .easgd import refuse_unsupported as refuse_easgd_unsupported
 from .engine import KFACEngine
+from .extensions import refuse_stale_build_locks
 from .pipeline import KFACPipelineEngine
 from .refusals import refuse_unsupported
 
 JSON_OPTIMIZERS = ("lamb", "sgd")
+EIGENBASIS_OPTIMIZERS = ("lamb", "adam", "adamw")
+"""The JSON optimizer types ``eigenbasis_moments`` can keep moments for (ds_kfac builds them)."""
 
 VERIFIED_DEEPSPEED = SpecifierSet("==0.19.8")
 """The DeepSpeed versions whose internals ds_kfac reads (docs/maintainers.md) were checked on; setup.py's
@@ -147,14 +155,27 @@ def _warn_near_misses(config: dict) -> None:
 
 
 def _optimizer_from_json(
-    config: dict, model: torch.nn.Module, model_parameters: Any
+    config: dict, model: torch.nn.Module, model_parameters: Any, kfac_config: KFACConfig
 ) -> Optional[torch.optim.Optimizer]:
-    """Build a JSON ``Lamb``/``SGD`` optimizer ourselves and take it out of the config."""
+    """Build a JSON ``Lamb``/``SGD`` optimizer ourselves and take it out of the config; with
+    ``eigenbasis_moments``, a ``Lamb``/``Adam``/``AdamW`` one whose K-FAC layers' parameters are flagged groups."""
     section = config.get("optimizer")
-    if not isinstance(section, dict) or str(section.get("type", "")).lower() not in JSON_OPTIMIZERS:
+    kind = str(section.get("type", "")).lower() if isinstance(section, dict) else None
+    moments = kfac_config.enabled and kfac_config.eigenbasis_moments
+    if moments and kind not in EIGENBASIS_OPTIMIZERS:
+        given = "no JSON optimizer" if kind is None else f"optimizer type {section.get('type')!r}"
+        raise KFACConfigError(
+            f"kfac.eigenbasis_moments: true keeps the base optimizer's per-element moments in K-FAC's eigenbasis, "
+            f"so it needs an Adam-type JSON optimizer (type Lamb, Adam or AdamW) or a client optimizer built with "
+            f"ds_kfac.optimizers.split_groups; this config has {given}"
+            + (" (SGD keeps no second moment: use K-FAC without the key)" if kind == "sgd" else "")
+        )
+    if kind not in JSON_OPTIMIZERS and not moments:
         return None
     params = model_parameters if model_parameters is not None else model.parameters()
     params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
+    if moments:
+        params = split_groups(params, preconditioned_parameters(model, kfac_config))
     optimizer = build_optimizer(section["type"], params, section.get("params", {}))
     del config["optimizer"]
     stage = config.get("zero_optimization", {}).get("stage", 0)
@@ -227,13 +248,17 @@ def initialize(
     kfac_section = config.pop("kfac", None)
     kfac_config = KFACConfig.parse(kfac_section)
     easgd_config = EASGDConfig.parse(config.pop("easgd", None))
+    if not ds_comm.is_initialized():  # DeepSpeed loads its CPU communication op here: never wait on a stale lock
+        refuse_stale_build_locks()
     ds_comm.init_distributed(  # the first step of deepspeed.initialize; ZeRO's optimizer check needs it
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
     if optimizer is None:
-        optimizer = _optimizer_from_json(config, model, model_parameters)
+        optimizer = _optimizer_from_json(config, model, model_parameters, kfac_config)
+    elif kfac_config.enabled and not callable(optimizer):
+        moment_rule(kfac_config, None, optimizer)  # a client optimizer: refused now if it cannot carry the moments
     if kfac_config.enabled:
         mpu = _as_deepspeed_mpu(mpu)
     common = dict(
@@ -255,6 +280,9 @@ def initialize(
     extra: dict[str, Any] = {}
     if kfac_config.enabled:
         extra["kfac_config"] = kfac_config
+        if kfac_config.eigenbasis_moments:  # clip the gradients, not K-FAC's directions (see the module docstring)
+            extra["raw_gradient_clipping"] = float(config.get("gradient_clipping", 0.0))
+            config["gradient_clipping"] = 0.0
     if easgd_config.enabled:
         extra["easgd_config"] = easgd_config
     return _initialize_kfac(**common, kfac_section=kfac_section, engine_kwargs=extra)

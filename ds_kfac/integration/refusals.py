@@ -64,6 +64,11 @@ def refuse_unsupported(
             "managed_gradient_accumulation=false (K-FAC scales G by gradient_accumulation_steps and needs "
             "the engine's micro-step count to find the accumulation boundary)"
         )
+    if kfac_config.eigenbasis_moments and (isinstance(model, PipelineModule) or mpu is not None):
+        problems.append(
+            "kfac.eigenbasis_moments with pipeline or tensor parallelism (the raw gradients' norm would have to be "
+            "completed over the model-parallel group; use data parallelism and ZeRO)"
+        )
     if isinstance(model, PipelineModule):
         problems += _pipeline_problems(cfg, model, mpu)
         if kfac_config.fisher == "sampled":

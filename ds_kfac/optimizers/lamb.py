@@ -29,6 +29,10 @@ parallelism, ZeRO-2/3) use DeepSpeed's ``gradient_clipping`` instead.
 Optimizer state (``exp_avg``, ``exp_avg_sq``) is kept in float32 for
 half-precision parameters (float64 parameters keep float64 state); the
 parameter itself is updated in its own dtype.
+
+In a group flagged ``eigenbasis_moments`` (:mod:`.eigenbasis`) the gradient already is
+``m / (sqrt(v) + eps)``, computed by K-FAC from moments kept in the layer's eigenbasis: the group keeps
+no moments and takes it as the update before weight decay; the trust ratio and step size are as above.
 """
 
 from __future__ import annotations
@@ -39,11 +43,26 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
+from .eigenbasis import GROUP_KEY
+
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
 # Added to the gradient norm before dividing by ``max_grad_norm``, as FusedLamb does.
 _CLIP_NORM_EPS = 1e-6
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def check_hyperparameters(name: str, lr: float, eps: float, betas: tuple[float, float], weight_decay: float) -> None:
+    """Raise ``ValueError`` naming the optimizer and the value for a negative ``lr``, ``eps`` or ``weight_decay``, or
+    ``betas`` that are not two values in [0, 1)."""
+    if lr < 0.0:
+        raise ValueError(f"{name}: invalid lr {lr}, must be >= 0")
+    if eps < 0.0:
+        raise ValueError(f"{name}: invalid eps {eps}, must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: invalid betas {betas}, need two values in [0, 1)")
+    if weight_decay < 0.0:
+        raise ValueError(f"{name}: invalid weight_decay {weight_decay}, must be >= 0")
 
 
 def _state_dtype(param: Tensor) -> torch.dtype:
@@ -84,14 +103,7 @@ class Lamb(torch.optim.Optimizer):
     ) -> None:
         if amsgrad:
             raise ValueError("Lamb does not support amsgrad=True (DeepSpeed FusedLamb refuses the AMSGrad variant)")
-        if lr < 0.0:
-            raise ValueError(f"Lamb: invalid lr {lr}, must be >= 0")
-        if eps < 0.0:
-            raise ValueError(f"Lamb: invalid eps {eps}, must be >= 0")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Lamb: invalid betas {betas}, need two values in [0, 1)")
-        if weight_decay < 0.0:
-            raise ValueError(f"Lamb: invalid weight_decay {weight_decay}, must be >= 0")
+        check_hyperparameters("Lamb", lr, eps, betas, weight_decay)
         if max_grad_norm < 0.0:
             raise ValueError(f"Lamb: invalid max_grad_norm {max_grad_norm}, must be >= 0 (0 disables clipping)")
         defaults = dict(
@@ -149,11 +161,12 @@ class Lamb(torch.optim.Optimizer):
         # Bucket by (device, dtype, step) so each bucket is one set of foreach launches
         # with a single step size; ``index`` remembers the parameter order for the coeffs.
         buckets: dict[tuple[torch.device, torch.dtype, int], list[int]] = defaultdict(list)
+        moments = not group.get(GROUP_KEY, False)
         for index, p in enumerate(params):
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                for key in _MOMENT_KEYS:
+                for key in _MOMENT_KEYS if moments else ():
                     state[key] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
             state["step"] += 1
             buckets[(p.device, p.dtype, state["step"])].append(index)
@@ -188,10 +201,7 @@ class Lamb(torch.optim.Optimizer):
     ) -> list[Tensor]:
         """LAMB update of same-device, same-dtype, same-step parameters; returns their trust ratios."""
         beta1, beta2 = group["betas"]
-        states = [self.state[p] for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        compute_dtype = exp_avgs[0].dtype
+        compute_dtype = _state_dtype(params[0])
         # Working copies in the state dtype; ``.to`` returns the tensor itself when the
         # dtype already matches, so full-precision parameters are updated in place below.
         weights = [p.to(compute_dtype) for p in params]
@@ -199,16 +209,10 @@ class Lamb(torch.optim.Optimizer):
         if grad_divisor is not None:
             grads = torch._foreach_div(grads, grad_divisor.to(compute_dtype))
 
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-
-        if group["eps_inside_sqrt"]:
-            denoms = torch._foreach_sqrt(torch._foreach_add(exp_avg_sqs, group["eps"]))
+        if group.get(GROUP_KEY, False):
+            updates = [g.clone() for g in grads]  # K-FAC's m / (sqrt(v) + eps), taken in the eigenbasis
         else:
-            denoms = torch._foreach_add(torch._foreach_sqrt(exp_avg_sqs), group["eps"])
-        updates = torch._foreach_div(exp_avgs, denoms)
+            updates = self._moment_updates(params, grads, group)
         if group["weight_decay"] != 0.0:
             torch._foreach_add_(updates, weights, alpha=group["weight_decay"])
 
@@ -227,3 +231,19 @@ class Lamb(torch.optim.Optimizer):
         if low_precision:
             torch._foreach_copy_([p for p, _ in low_precision], [w for _, w in low_precision])
         return list(coeffs.unbind())
+
+    def _moment_updates(self, params: list[Tensor], grads: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+        """Fold ``grads`` into the parameters' moments and return ``m / (sqrt(v) + eps)`` (new tensors)."""
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        if group["eps_inside_sqrt"]:
+            denoms = torch._foreach_sqrt(torch._foreach_add(exp_avg_sqs, group["eps"]))
+        else:
+            denoms = torch._foreach_add(torch._foreach_sqrt(exp_avg_sqs), group["eps"])
+        return torch._foreach_div(exp_avgs, denoms)

@@ -26,7 +26,8 @@ preference when ``backend="auto"``:
    contiguous CUDA float32/float64 tensor, ``max_grad_norm`` is 0 (its
    ``step()`` needs caller-supplied group norms to clip) and its CUDA extension
    builds or loads.
-3. The pure-PyTorch :class:`~ds_kfac.optimizers.lamb.Lamb` otherwise.
+3. The pure-PyTorch :class:`~ds_kfac.optimizers.lamb.Lamb` otherwise, and always where a param group is
+   flagged ``eigenbasis_moments`` (:mod:`.eigenbasis`), which the fused ones do not know.
 """
 
 from __future__ import annotations
@@ -39,14 +40,28 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
+from .adam import Adam
+from .eigenbasis import GROUP_KEY
 from .lamb import Lamb, ParamsT
 
 logger = logging.getLogger(__name__)
 
 LAMB_KEYS: tuple[str, ...] = tuple(name for name in inspect.signature(Lamb).parameters if name != "params")
 SGD_KEYS: tuple[str, ...] = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+ADAM_KEYS: tuple[str, ...] = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "bias_correction",
+    "adam_w_mode",
+    "torch_adam",
+    "amsgrad",
+)
+"""DeepSpeed's keys of a JSON ``Adam``/``AdamW`` optimizer (``torch_adam`` picks DeepSpeed's implementation and
+means nothing here)."""
 BACKENDS: tuple[str, ...] = ("auto", "apex", "deepspeed", "torch")
-OPTIMIZER_TYPES: tuple[str, ...] = ("Lamb", "SGD")
+OPTIMIZER_TYPES: tuple[str, ...] = ("Lamb", "SGD", "Adam", "AdamW")
 
 
 def _check_keys(what: str, given: Iterable[str], allowed: Iterable[str]) -> None:
@@ -149,6 +164,10 @@ def resolve_lamb(params: ParamsT, *, backend: str = "auto", **kwargs: Any) -> to
         raise ValueError("LAMB does not support amsgrad=True (DeepSpeed FusedLamb refuses the AMSGrad variant)")
     params = list(params)
     tensors = _tensors(params)
+    if any(isinstance(g, dict) and g.get(GROUP_KEY) for g in params):
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"LAMB backend {backend!r} cannot apply K-FAC's eigenbasis directions: use 'torch'")
+        return Lamb(params, **kwargs)
 
     for name, unsupported, build in _FUSED_BACKENDS:
         if backend not in ("auto", name):
@@ -174,9 +193,10 @@ def resolve_lamb(params: ParamsT, *, backend: str = "auto", **kwargs: Any) -> to
 def build_optimizer(type_name: str, params: ParamsT, params_dict: Optional[dict[str, Any]]) -> torch.optim.Optimizer:
     """Build the optimizer of a DeepSpeed config ``"optimizer": {"type": ..., "params": {...}}``.
 
-    ``type_name`` is ``"Lamb"`` (see :func:`resolve_lamb`) or ``"SGD"``
-    (``torch.optim.SGD``), case-insensitive.  Unknown types or parameter names
-    raise ``ValueError`` naming them and the allowed ones.
+    ``type_name`` is ``"Lamb"`` (see :func:`resolve_lamb`), ``"SGD"`` (``torch.optim.SGD``), or ``"Adam"`` /
+    ``"AdamW"`` (:class:`~ds_kfac.optimizers.Adam`, decoupled weight decay unless ``"adam_w_mode": false`` for
+    ``Adam``, as DeepSpeed reads them), case-insensitive.  Unknown types or parameter names raise ``ValueError``
+    naming them and the allowed ones.
     """
     params_dict = dict(params_dict or {})
     kind = type_name.lower()
@@ -188,4 +208,15 @@ def build_optimizer(type_name: str, params: ParamsT, params_dict: Optional[dict[
     if kind == "sgd":
         _check_keys(f"optimizer type {type_name!r}", params_dict, SGD_KEYS)
         return torch.optim.SGD(params, **params_dict)
+    if kind in ("adam", "adamw"):
+        _check_keys(f"optimizer type {type_name!r}", params_dict, ADAM_KEYS)
+        params_dict.pop("torch_adam", None)
+        if params_dict.pop("amsgrad", False):
+            raise ValueError(f"optimizer type {type_name!r}: amsgrad=true is not supported here")
+        decoupled = params_dict.pop("adam_w_mode", True)
+        if kind == "adamw" and not decoupled:
+            raise ValueError(f"optimizer type {type_name!r} with adam_w_mode=false: use type 'Adam' for L2 decay")
+        if "betas" in params_dict:
+            params_dict["betas"] = tuple(params_dict["betas"])
+        return Adam(params, decoupled_weight_decay=decoupled, **params_dict)
     raise ValueError(f"unknown optimizer type {type_name!r}; allowed: {list(OPTIMIZER_TYPES)} (case-insensitive)")

@@ -83,6 +83,8 @@ class GradientLayout(ABC):
 
     sharded: bool = False
     """Whether ranks hold disjoint fragments rather than copies (the KL-clip sum is then summed over ranks)."""
+    group: Optional[dist.ProcessGroup] = None
+    """The data-parallel group that sharded fragments are spread over."""
 
     def __init__(self, grad_scale: Callable[[], float] = lambda: 1.0) -> None:
         self.grad_scale = grad_scale
@@ -136,6 +138,24 @@ class GradientLayout(ABC):
                     held = slice(f.start, f.start + f.numel)
                     parts.append((p_param.reshape(-1)[held] * g_param.reshape(-1)[held]).sum())
         return torch.stack(parts).sum() if parts else torch.zeros((), device=blocks_device(blocks))
+
+    def clip_by_norm(self, params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Scale the reduced gradients of ``params`` in place by ``max_norm / (||g|| + 1e-6)`` where that is below
+        1, as DeepSpeed's ``gradient_clipping`` does, ``||g||`` the norm of all of them without the loss scale;
+        return ``||g||``. A norm that is not finite (an fp16 overflow) changes nothing, so the overflow is still
+        seen. No host sync; collective over the data-parallel group where fragments are sharded."""
+        frags = [f for f in map(self.fragment, params) if f is not None]
+        device = frags[0].grad.device if frags else torch.device("cpu")
+        squares = [f.flat().to(torch.float32).square().sum() for f in frags]
+        total = torch.stack(squares).sum().reshape(1) if squares else torch.zeros(1, device=device)
+        if self.sharded:
+            all_reduce_sum_([total], self.group)
+        norm = total[0].sqrt() / self.grad_scale()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coefficient = torch.where(norm.isfinite(), coefficient, torch.ones_like(coefficient))
+        for f in frags:
+            f.store(f.flat() * coefficient.to(f.grad.dtype))
+        return norm
 
     def write(
         self,

@@ -33,6 +33,8 @@ class Roles:
         self.config = config
         self.group = group
         self.bucket_bytes = bucket_bytes
+        self.holders = holders
+        """The ranks whose ZeRO partitions hold each layer's gradient (``None``: every rank holds every gradient)."""
         self.world = data_parallel_world(group)
         # Blocks are their own placement shapes (a name and each side's cost); blocks with one side are colocated.
         colocate = config.factor_reduction == "local" or any(b.colocated for b in blocks if len(b.sides) > 1)
@@ -71,6 +73,14 @@ class Roles:
     def grad_workers(self, block: CurvatureBlock) -> tuple[int, ...]:
         """The data-parallel ranks that precondition the layer."""
         return self.plan.layers[block.name].grad_workers
+
+    def preconditioners(self, block: CurvatureBlock) -> tuple[int, ...]:
+        """The ranks that precondition the layer, and so keep its eigenbasis moments: its gradient workers that hold
+        (some of) its gradient; without ZeRO's partitions, all its gradient workers."""
+        workers = self.grad_workers(block)
+        if self.holders is None:
+            return workers
+        return tuple(r for r in workers if r in self.holders[block.name])
 
     def decomposition_holders(self, block: CurvatureBlock) -> tuple[int, ...]:
         """The data-parallel ranks that hold the layer's decomposition: its gradient workers, or every rank

@@ -35,12 +35,14 @@ def gather_state(distributor: Distributor, local: dict[str, LayerRecord]) -> Opt
     device = blocks_device(d._blocks.values())
     if d.rank != SAVER:
         mine = [(e, e.get(local[e.name])) for e in entries if e.source == d.rank]
-        tensors = [None if t is None else t.to(e.dtype) for e, value in mine for t in e.tensors(value)]
+        tensors = [
+            None if t is None else t.to(dtype) for e, value in mine for t, dtype in zip(e.tensors(value), e.dtypes)
+        ]
         if tensors:
             send_(tensors, d.groups.to_global(SAVER), d.group, device)
         return None
     remote = [e for e in entries if e.source != SAVER]
-    specs = [(shape, e.dtype) for e in remote for shape in e.shapes]
+    specs = [(shape, dtype) for e in remote for shape, dtype in zip(e.shapes, e.dtypes)]
     srcs = [d.groups.to_global(e.source) for e in remote for _ in e.shapes]
     received = iter(receive(specs, srcs, d.group, device) if specs else [])
     state = {name: LayerRecord() for name in d.plan.layers}
@@ -69,32 +71,41 @@ def _state_entries(d: Distributor, name: str, record: LayerRecord) -> list[_Stat
     for side in record.references:  # adaptive refresh's references, on the decomposing rank
         decomposer = d.decomposer(name, side)
         where.append(("references", side, (decomposer,), decomposer, [stats[side].shape] * 2, factor))
-    return [
-        _StateEntry(name, part, side, SAVER if SAVER in holders else designated, shapes, dtype)
+    entries = [
+        _StateEntry(name, part, side, SAVER if SAVER in holders else designated, shapes, (dtype,) * len(shapes))
         for part, side, holders, designated, shapes, dtype in where
     ]
+    if record.has_moments:  # on the ranks that precondition the layer: m and v, then their update count
+        workers = d.preconditioners(block)
+        matrix = (block.adapter.g_dim, block.adapter.a_dim)
+        source = SAVER if SAVER in workers else workers[0]
+        entries.append(_StateEntry(name, "moments", None, source, [matrix, matrix, ()], (inv, inv, torch.int64)))
+    return entries
 
 
 @dataclass(frozen=True)
 class _StateEntry:
     """One entry of a layer's saved state: a field of its :class:`LayerRecord` (``part``: ``"statistics"``,
-    ``"decomposition"`` or ``"references"``; ``side``: the statistic's name, ``None`` for the decomposition), the
-    rank it is taken from, and the shapes and dtype of its tensors."""
+    ``"decomposition"``, ``"references"`` or ``"moments"``; ``side``: the statistic's name, ``None`` for the
+    others), the rank it is taken from, and the shapes and dtypes of its tensors."""
 
     name: str
     part: str
     side: Optional[str]
     source: int
     shapes: list[Shape]
-    dtype: torch.dtype
+    dtypes: tuple[torch.dtype, ...]
 
     def get(self, record: LayerRecord) -> Any:
         """The entry's value in ``record``."""
-        return record.decomposition if self.side is None else getattr(record, self.part)[self.side]
+        return getattr(record, self.part) if self.side is None else getattr(record, self.part)[self.side]
 
     def put(self, record: LayerRecord, tensors: list[Optional[torch.Tensor]]) -> None:
         """Set the entry in ``record`` from its tensors (the inverse of :meth:`get` then :meth:`tensors`)."""
-        if self.part == "decomposition":
+        if self.part == "moments":
+            record.has_moments = True
+            record.moments = None if tensors[0] is None else tensors
+        elif self.part == "decomposition":
             record.decomposition = None if tensors[0] is None else tensors
         elif self.part == "references":
             record.references[self.side] = tensors

@@ -1,7 +1,14 @@
 """The parts of :class:`~ds_kfac.KFACPreconditioner` around its step: building it, scheduling
 decompositions, the sampled Fisher's pass, and reporting."""
 
-from .build import Registered, checked_config, make_block, refuse_tensor_parallel, register_layers
+from .build import (
+    Registered,
+    checked_config,
+    make_block,
+    preconditioned_parameters,
+    refuse_tensor_parallel,
+    register_layers,
+)
 from .fisher import SampledFisher
 from .metrics import Reporting
 from .schedule import DecompositionSchedule
@@ -13,6 +20,7 @@ __all__ = [
     "SampledFisher",
     "checked_config",
     "make_block",
+    "preconditioned_parameters",
     "refuse_tensor_parallel",
     "register_layers",
 ]

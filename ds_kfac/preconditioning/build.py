@@ -13,7 +13,9 @@ from torch.distributed import ProcessGroup
 from ..comm import data_parallel_world
 from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock, KFACBlock, UnitWiseBlock, UnitWiseInverse, method_for
+from ..curvature.moments import MomentRule
 from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
+from ..optimizers import GROUP_KEY, moment_settings
 from ..placement import (
     GradientLayout,
     TensorParallelGradients,
@@ -64,6 +66,66 @@ class Registered:
     """The given group, or, where ``None``, the tensor-parallel layers' group."""
 
 
+def _find_layers(
+    model: nn.Module, config: KFACConfig, warn: bool
+) -> tuple[list[tuple[str, LayerAdapter]], list[SkippedLayer]]:
+    """The layers ``config`` registers in ``model`` (:func:`~ds_kfac.layers.find_layers`) and those it skips."""
+    return find_layers(
+        model,
+        config.skip_layers,
+        config.max_factor_dim,
+        conv_factors=config.conv_factors,
+        warn=warn,
+        tensor_parallel_factors=config.tensor_parallel_factors,
+        batchnorm=config.batchnorm == "unit-wise",
+    )
+
+
+def preconditioned_parameters(model: nn.Module, config: KFACConfig) -> list[nn.Parameter]:
+    """The parameters of the layers ``config`` registers in ``model`` (weights and biases), in registration order,
+    known before any preconditioner is built: those whose optimizer groups ``eigenbasis_moments`` flags."""
+    return [p for _, adapter in _find_layers(model, config, warn=False)[0] for p in adapter.params()]
+
+
+def moment_rule(
+    config: KFACConfig, moments: Optional[MomentRule], optimizer: Optional[torch.optim.Optimizer]
+) -> Optional[MomentRule]:
+    """The per-element rule ``eigenbasis_moments`` applies in the eigenbasis: ``moments`` as given, else the base
+    ``optimizer``'s (its flagged groups); ``None`` without the key."""
+    if not config.eigenbasis_moments:
+        if moments is not None:
+            raise KFACConfigError("moments= is the rule of eigenbasis_moments, which this config leaves off")
+        return None
+    if moments is not None:
+        return moments
+    if optimizer is None:
+        raise KFACConfigError(
+            "eigenbasis_moments needs the base optimizer: pass optimizer= (ds_kfac.optimizers.Lamb or Adam, "
+            "its K-FAC layers' parameters in groups made by ds_kfac.optimizers.split_groups) or moments="
+        )
+    try:
+        return MomentRule(**moment_settings(optimizer))
+    except ValueError as err:
+        raise KFACConfigError(str(err)) from None
+
+
+def refuse_unflagged(blocks: list[CurvatureBlock], optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """With ``eigenbasis_moments`` and the base optimizer's own parameters: the flagged groups must hold exactly
+    the registered layers' parameters (else a layer would be normalised twice, or a flagged parameter would
+    take its raw gradient as a direction)."""
+    if optimizer is None:
+        return
+    flagged = {id(p) for g in optimizer.param_groups if g.get(GROUP_KEY) for p in g["params"]}
+    names = {id(p): f"{b.name}.{n}" for b in blocks for n, p in zip(("weight", "bias"), b.adapter.params())}
+    missing = sorted(name for key, name in names.items() if key not in flagged)
+    extra = len(flagged - set(names))
+    if missing or extra:
+        raise KFACConfigError(
+            f"eigenbasis_moments: the optimizer's groups flagged {GROUP_KEY!r} must hold exactly the K-FAC layers' "
+            f"parameters (ds_kfac.optimizers.split_groups); not flagged: {missing}; flagged but not K-FAC's: {extra}"
+        )
+
+
 def register_layers(
     model: nn.Module,
     config: KFACConfig,
@@ -75,15 +137,7 @@ def register_layers(
     """Find the model's layers (``warn``: say what was not registered), check that every data-parallel rank
     registers the same ones (collective), and build their blocks; tensor-parallel layers bring their own layout
     and group."""
-    layers, skipped = find_layers(
-        model,
-        config.skip_layers,
-        config.max_factor_dim,
-        conv_factors=config.conv_factors,
-        warn=warn,
-        tensor_parallel_factors=config.tensor_parallel_factors,
-        batchnorm=config.batchnorm == "unit-wise",
-    )
+    layers, skipped = _find_layers(model, config, warn)
     refuse_layers_differing_between_ranks(layers, skipped, process_group, model)
     relays = []
     tensor_parallel = split_tensor_parallel(layers)
@@ -103,7 +157,13 @@ def make_block(config: KFACConfig, name: str, adapter: LayerAdapter) -> Curvatur
     if isinstance(adapter, BatchNormAdapter):
         return UnitWiseBlock(name, adapter, UnitWiseInverse(config.relative_damping), factor_dtype, inv_dtype)
     return KFACBlock(
-        name, adapter, method_for(config), factor_dtype, inv_dtype, eigenvalue_correction=config.eigenvalue_correction
+        name,
+        adapter,
+        method_for(config),
+        factor_dtype,
+        inv_dtype,
+        eigenvalue_correction=config.eigenvalue_correction,
+        eigenbasis_moments=config.eigenbasis_moments,
     )
 
 
@@ -128,5 +188,7 @@ def refuse_tensor_parallel(
         problems.append("eigenvalue_correction (per-example gradients of sharded layers are not gathered)")
     if config.fisher == "sampled":
         problems.append('fisher="sampled" (the sharded layers\' rows travel in every backward pass)')
+    if config.eigenbasis_moments:
+        problems.append("eigenbasis_moments (a shard's moments would need the whole layer's eigenbasis)")
     if problems:
         raise KFACConfigError("K-FAC with tensor-parallel layers does not support: " + "; ".join(problems))

@@ -34,11 +34,19 @@ class Reporting:
         the factor snapshots adaptive refresh compares against (on the decomposing rank), and
         what preconditioning keeps between steps (``eigen-outer``'s ``D`` on gradient workers) and, with
         ``eigenvalue_correction``, the running corrections ``S`` (on gradient workers; their step accumulators
-        count as accumulators)."""
+        count as accumulators) and, with ``eigenbasis_moments``, the moments ``m`` and ``v`` (on the ranks that
+        precondition each layer)."""
         usage = {"factors": 0, "decompositions": 0, "accumulators": 0, "refresh_references": 0}
         usage["preconditioning_cache"] = self._stacks.cache_bytes()
         if self.config.eigenvalue_correction:
             usage["eigenvalue_corrections"] = 0
+        if self.config.eigenbasis_moments:
+            usage["eigenbasis_moments"] = sum(
+                t.numel() * t.element_size()
+                for b in self.blocks
+                if b.moments is not None
+                for t in b.moments.value or ()
+            )
         for b in self.blocks:
             for side, stat in b.statistics().items():
                 running, accumulator = stat.nbytes()
@@ -67,7 +75,8 @@ class Reporting:
     def option_metrics(self) -> dict[str, float]:
         """Which curvature options the run uses and how many of this rank's blocks they reach (the same on every
         data-parallel rank), so that a training log says what it measured: ``kfac/option/fisher_sampled``,
-        ``kfac/option/eigenvalue_correction`` and ``kfac/option/batchnorm_unit_wise`` (1 on, 0 off), and the
+        ``kfac/option/eigenvalue_correction``, ``kfac/option/batchnorm_unit_wise`` and
+        ``kfac/option/eigenbasis_moments`` (1 on, 0 off), and the
         registered blocks ``kfac/blocks/kronecker`` (Linear and Conv2d), ``kfac/blocks/eigenvalue_corrected`` (those
         of them with a correction ``S``) and ``kfac/blocks/unit_wise`` (BatchNorm)."""
         config = self.config
@@ -76,6 +85,7 @@ class Reporting:
             "kfac/option/fisher_sampled": float(config.fisher == "sampled"),
             "kfac/option/eigenvalue_correction": float(config.eigenvalue_correction),
             "kfac/option/batchnorm_unit_wise": float(config.batchnorm == "unit-wise"),
+            "kfac/option/eigenbasis_moments": float(config.eigenbasis_moments),
             "kfac/blocks/kronecker": float(len(kronecker)),
             "kfac/blocks/eigenvalue_corrected": float(sum(b.correction is not None for b in kronecker)),
             "kfac/blocks/unit_wise": float(sum(isinstance(b, UnitWiseBlock) for b in self.blocks)),

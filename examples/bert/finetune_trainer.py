@@ -24,10 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from transformers import BertConfig, BertForPreTraining, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -57,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
 
     train_docs, _ = data.split_documents(data.load_corpus(), held_out_fraction=0.05)
     tokenizer_args = argparse.Namespace(tokenizer=None)

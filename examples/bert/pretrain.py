@@ -2,7 +2,9 @@
 
 Launch as any DeepSpeed script; the config file says everything about the phase::
 
-    deepspeed --num_gpus 2 examples/bert/pretrain.py --deepspeed_config configs/bert_cpu_phase1_kfac.json
+    deepspeed --num_gpus 2 examples/bert/pretrain.py --deepspeed_config configs/bert_cpu_phase1_lamb.json
+    deepspeed --num_gpus 2 examples/bert/pretrain.py --deepspeed_config configs/bert_cpu_phase2_kfac.json \\
+        --init-checkpoint runs/bert/bert_cpu_phase1_lamb
     deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase1_kfac.json \\
         --text-dir /data/wikibooks --tokenizer /data/bert-large-uncased-tokenizer --output-dir runs/phase1
     deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase2_kfac.json \\
@@ -23,22 +25,22 @@ of the standard library's and the installed dependencies' Python sources
 (torch, transformers, deepspeed, numpy, scipy, scikit-learn, ...; about 34k
 documents, 18 MB of text and 120k training pairs at sequence length 64 and a
 1024-token vocabulary), parsed without importing them and cached in
-``<output-dir>/corpus-cache``; ``--corpus stdlib`` is the earlier, smaller
+``<cache-dir>/corpus-cache`` (``--cache-dir``, default the output directory); ``--corpus stdlib`` is the earlier, smaller
 corpus of imported standard-library docstrings (2.3k documents, 5.4k such
 pairs). A WordPiece vocabulary is trained on the training documents (cached in
-``<output-dir>/tokenizer-cache``), and the sentences' token ids are cached in
-``<output-dir>/encoding-cache``. Documents are split into training and
+``<cache-dir>/tokenizer-cache``), and the sentences' token ids are cached in
+``<cache-dir>/encoding-cache``. Documents are split into training and
 held-out sets; the held-out set is never trained on. The corpus digest and the
 versions of what it was built from are printed and recorded.
 
 Each run writes ``<output-dir>/<run-name>/``: ``metrics.csv`` (every step),
 ``corpus.json`` (the corpus's source, package versions, digest, document and
-pair counts), ``checkpoints/`` (DeepSpeed checkpoints with K-FAC state), and
+pair counts), ``tokenizer/`` (the tokenizer it used), ``checkpoints/`` (DeepSpeed checkpoints with K-FAC state), and
 refreshes ``<output-dir>/summary.txt`` and ``<output-dir>/loss.png`` with every
 run found there. ``--resume`` continues an interrupted run exactly (data
 order, masks and dropout are functions of the step); ``--init-checkpoint``
 starts phase 2 from phase 1's weights with a fresh optimizer and fresh K-FAC
-state.
+state (given a run directory, from its ``checkpoints/`` and with its ``tokenizer/``).
 """
 
 from __future__ import annotations
@@ -50,10 +52,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 from transformers import BertConfig, BertForPreTraining, PreTrainedTokenizerFast
@@ -94,10 +94,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained); default: train one")
     parser.add_argument("--vocab-size", type=int, help="override bert.vocab_size (when training a tokenizer)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bert"))
+    parser.add_argument(
+        "--cache-dir", type=Path, help="the corpus, tokenizer and encoding caches (default: the output directory)"
+    )
     parser.add_argument("--run-name", help="default: the config file's name")
     parser.add_argument("--max-steps", type=int, help="override bert.max_steps")
     parser.add_argument("--eval-every", type=int, help="override bert.eval_every")
-    parser.add_argument("--init-checkpoint", type=Path, help="start from these weights (phase 2 from phase 1)")
+    parser.add_argument(
+        "--init-checkpoint",
+        type=Path,
+        help="start from these weights (phase 2 from phase 1): a checkpoints directory, or a run directory, whose "
+        "checkpoints/ and saved tokenizer/ are then used",
+    )
     parser.add_argument("--resume", action="store_true", help="continue this run from its latest checkpoint")
     parser.add_argument(
         "--stop-after", type=int, help="save a checkpoint and exit after this many steps (a job's time limit)"
@@ -113,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.deepspeed_config is None:
         parser.error("--deepspeed_config is required")
+    if args.init_checkpoint is not None and (args.init_checkpoint / "checkpoints").is_dir():
+        run_dir = args.init_checkpoint
+        args.init_checkpoint = run_dir / "checkpoints"
+        if args.tokenizer is None and (run_dir / "tokenizer").is_dir():
+            args.tokenizer = run_dir / "tokenizer"
     return args
 
 
@@ -191,7 +204,7 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
     rank, world = dist.get_rank(), dist.get_world_size()
 
     config = json.loads(Path(args.deepspeed_config).read_text())
@@ -206,10 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = args.output_dir / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    documents, corpus = load_documents(args, args.output_dir / "corpus-cache")
+    cache = args.cache_dir or args.output_dir
+    documents, corpus = load_documents(args, cache / "corpus-cache")
     train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.data_seed)
-    tokenizer = load_tokenizer(args, train_docs, bert["vocab_size"], args.output_dir / "tokenizer-cache")
-    seq, encoding_cache = bert["max_seq_length"], args.output_dir / "encoding-cache"
+    tokenizer = load_tokenizer(args, train_docs, bert["vocab_size"], cache / "tokenizer-cache")
+    seq, encoding_cache = bert["max_seq_length"], cache / "encoding-cache"
     train_set = data.PretrainingDataset(
         load_examples(train_docs, tokenizer, seq, args.seed, encoding_cache), tokenizer, seed=args.seed
     )
@@ -268,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             vocab_size=len(tokenizer),
         )
         (run_dir / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))  # what a phase 2 from this run's weights must use
         versions = ", ".join(f"{name} {version}" for name, version in corpus.get("versions", {}).items())
         origin = corpus.get("text_dir") or corpus.get("hf_dataset") or f"embedded {corpus['embedded']!r} ({versions})"
         print(f"corpus {corpus['digest']}: {len(documents)} documents from {origin}", flush=True)

@@ -167,7 +167,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # one thread per rank: on CPU the ranks share the cores
     torch.manual_seed(args.seed)
-    deepspeed.init_distributed(dist_backend=deepspeed.get_accelerator().communication_backend_name())
+    ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
     world = dist.get_world_size()
     if world % (args.tp * args.pp):
         raise ValueError(f"world size {world} is not a multiple of --tp {args.tp} x --pp {args.pp}")

@@ -149,6 +149,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "compute_method": [True, 1, ["eigen"]],
     "eigenvalue_outer_product": ["yes", 1],
     "eigenvalue_correction": ["yes", 1, None],
+    "eigenbasis_moments": ["yes", 1, None],
     "fisher": [True, None, "true_fisher", 1],
     "batchnorm": [True, None, "unitwise", 1],
     "grad_worker_fraction": [True, "0.5", None],
@@ -177,6 +178,7 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "enabled": [(False, False)],
     "factor_micro_batches": [(4, 4), (4.0, 4), (None, None)],
     "eigenvalue_correction": [(True, True), (False, False)],
+    "eigenbasis_moments": [(True, True), (False, False)],
     "fisher": [("sampled", "sampled"), ("empirical", "empirical")],
     "batchnorm": [("unit-wise", "unit-wise"), ("none", "none")],
 }

@@ -26,7 +26,6 @@ from typing import Any, Callable
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -142,7 +141,7 @@ def main(run_scenario: Callable[[dict[str, Any]], dict[str, Any]] = run) -> None
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
     out = Path(args.out)
     for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
         result = run_scenario(scenario)

@@ -5,7 +5,8 @@ Runs the scenarios of a JSON spec under the deepspeed launcher, each saving per-
 saving a Trainer checkpoint every ``save_steps``; ``"direct"``: the engine of ``ds_kfac.initialize`` driven by
 hand on the same data), ``resume`` (a step: the Trainer resumes from that checkpoint of the plain ``"trainer"``
 run), ``stage`` (ZeRO), ``bf16`` (Trainer's ``bf16=True`` with ``"bf16": {"enabled": "auto"}``; bf16 inputs for
-``"direct"``), ``dir`` (where the Trainer runs write, each in a directory of its own).
+``"direct"``), ``fisher``, ``eigenbasis`` (a JSON AdamW with ``"eigenbasis_moments": true``), ``dir`` (where the
+Trainer runs write, each in a directory of its own).
 
 The Trainer runs read the DeepSpeed config with ``"auto"`` values; the direct run gets them written out
 (:func:`direct_config`). Trainer's data order is sequential (``train_sampling_strategy="sequential"``), and
@@ -30,6 +31,18 @@ import ds_kfac  # noqa: E402
 
 MICRO, GA, LR, CLIP = 2, 2, 0.05, 1.0
 KFAC = {"factor_update_steps": 1, "inv_update_steps": 2, "damping": 0.01, "kl_clip": 0.01}
+ADAMW = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # TrainingArguments' defaults, which Trainer checks
+
+
+def sections(fisher: str, eigenbasis: bool, lr: object) -> dict:
+    """The config's ``"optimizer"`` and ``"kfac"`` sections: SGD and K-FAC, or AdamW with the eigenbasis moments."""
+    if eigenbasis:
+        kfac = {key: v for key, v in KFAC.items() if key != "kl_clip"}
+        return {
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, **ADAMW}},
+            "kfac": {**kfac, "fisher": fisher, "eigenbasis_moments": True},
+        }
+    return {"optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}}, "kfac": {**KFAC, "fisher": fisher}}
 
 
 class Regression(nn.Module):
@@ -56,29 +69,28 @@ def rows(step: int, micro_step: int, world: int, rank: int) -> slice:
     return slice(batch * MICRO, (batch + 1) * MICRO)
 
 
-def trainer_config(stage: int, fisher: str = "empirical") -> dict:
+def trainer_config(stage: int, fisher: str = "empirical", eigenbasis: bool = False) -> dict:
     return {
         "bf16": {"enabled": "auto"},
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}},
         "zero_optimization": {"stage": stage},
-        "kfac": {**KFAC, "fisher": fisher},
+        **sections(fisher, eigenbasis, "auto"),
     }
 
 
-def direct_config(stage: int, world: int, bf16: bool, fisher: str) -> dict:
+def direct_config(stage: int, world: int, bf16: bool, fisher: str, eigenbasis: bool) -> dict:
     """:func:`trainer_config` with the values Trainer puts in place of ``"auto"``."""
     return {
-        **trainer_config(stage, fisher),
+        **trainer_config(stage, fisher, eigenbasis),
         "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GA,
         "train_batch_size": MICRO * GA * world,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        **sections(fisher, eigenbasis, LR),
     }
 
 
@@ -88,7 +100,9 @@ def run_trainer(scenario: dict, world: int) -> dict:
     from ds_kfac.hf import KFACTrainer
 
     resume, bf16, fisher = scenario.get("resume"), scenario.get("bf16", False), scenario.get("fisher", "empirical")
-    name = "resumed" if resume else "bf16" if bf16 else "trainer" if fisher == "empirical" else "sampled"
+    eigenbasis = scenario.get("eigenbasis", False)
+    name = "resumed" if resume else "bf16" if bf16 else "eigenbasis" if eigenbasis else "trainer"
+    name = name if fisher == "empirical" else "sampled"
     out_dir = Path(scenario["dir"]) / name
     if bf16:
         # transformers refuses bf16 on a CPU-only machine unless use_cpu=True, which turns DeepSpeed off in
@@ -96,7 +110,7 @@ def run_trainer(scenario: dict, world: int) -> dict:
         monkeypatch_bf16_check()
     args = TrainingArguments(
         output_dir=str(out_dir),
-        deepspeed=trainer_config(scenario["stage"], fisher),
+        deepspeed=trainer_config(scenario["stage"], fisher, eigenbasis),
         max_steps=scenario["steps"],
         per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GA,
@@ -123,6 +137,7 @@ def run_trainer(scenario: dict, world: int) -> dict:
         "global_step": trainer.state.global_step,
         "kfac_steps": trainer.kfac.steps,
         "engine": type(engine).__name__,
+        "optimizer": type(engine.basic_optimizer).__name__,
         "filled": {
             "train_batch_size": engine.train_batch_size(),
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
@@ -150,7 +165,7 @@ def monkeypatch_bf16_check() -> None:
 def run_direct(scenario: dict, world: int) -> dict:
     rank, bf16, fisher = dist.get_rank(), scenario.get("bf16", False), scenario.get("fisher", "empirical")
     model = Regression()
-    config = direct_config(scenario["stage"], world, bf16, fisher)
+    config = direct_config(scenario["stage"], world, bf16, fisher, scenario.get("eigenbasis", False))
     engine, *_ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
     dtype = torch.bfloat16 if bf16 else torch.float32  # Trainer casts float inputs to DeepSpeed's dtype
     data = dataset(scenario["steps"], world)

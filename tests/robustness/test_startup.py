@@ -1,0 +1,76 @@
+"""A start-up that never hangs silently (issue 30, item 4): a stale torch build lock of DeepSpeed's CPU communication
+op is named within seconds, a build in progress is waited for, and the project's commands use an extensions directory
+of their own."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import launch
+import pytest
+
+from ds_kfac.integration.extensions import build_lock, building_in, refuse_stale_build_locks
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).parents[2]
+
+
+def _plant_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = build_lock("ShareMemCommBuilder")
+    assert lock == tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    return lock
+
+
+def test_a_stale_lock_is_named_within_the_grace_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lock = _plant_lock(tmp_path, monkeypatch)
+    started = time.monotonic()
+    path = re.escape(str(lock))
+    with pytest.raises(RuntimeError, match=rf"{path} exists but no process is building .*\(rm {path}\)"):
+        refuse_stale_build_locks(grace=0.5)
+    assert time.monotonic() - started < 5
+
+
+def test_a_build_in_progress_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process working in the op's directory (as ninja and the compiler do) holds off the verdict, past the grace
+    period, until the lock goes."""
+    lock = _plant_lock(tmp_path, monkeypatch)
+    builder = subprocess.Popen(["sleep", "3"], cwd=lock.parent)
+    try:
+        assert building_in(lock.parent) and not building_in(tmp_path)
+        threading.Timer(2.0, lock.unlink).start()
+        started = time.monotonic()
+        refuse_stale_build_locks(grace=0.5)
+        assert 1.5 < time.monotonic() - started < 10
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_a_launch_with_a_stale_lock_fails_with_the_message(tmp_path: Path) -> None:
+    """The real launcher, 2 ranks: with a stale lock planted in the extensions directory, every rank stops at
+    ``ds_kfac.init_distributed`` with the message (before, DeepSpeed's start-up waited forever)."""
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    spec = tmp_path / "spec.json"
+    spec.write_text("[]")
+    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
+    cmd += [str(launch.WORKERS / "ds_worker.py"), "--spec", str(spec), "--out", str(tmp_path)]
+    started = time.monotonic()
+    with pytest.raises(
+        AssertionError, match=rf"RuntimeError: {re.escape(str(lock))} exists but no process is building"
+    ):
+        launch.run([cmd], timeout=90, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert time.monotonic() - started < 60
+
+
+def test_the_makefile_gives_the_venv_its_own_extensions_directory() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions" in makefile

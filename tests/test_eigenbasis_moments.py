@@ -1,0 +1,462 @@
+"""The base optimizer's moments in K-FAC's eigenbasis (``eigenbasis_moments``, docs/conventions.md "Eigenbasis
+moments") against an independent float64 simulation of the documented equations, the identity basis against the
+base optimizers themselves, checkpoints, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import reference as ref
+import torch
+from test_conventions import LAYERS, loss_fn, reference_step
+from test_conventions import _problem as conventions_problem
+from torch import nn
+
+from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner
+from ds_kfac.optimizers import GROUP_KEY, Adam, Lamb, build_optimizer, split_groups
+
+pytestmark = pytest.mark.timeout(120)
+
+FLOAT64 = dict(factor_dtype="float64", inv_dtype="float64", factor_decay=0.0)
+TOL = dict(rtol=1e-9, atol=1e-12)
+BETAS, EPS, LR, DECAY = (0.8, 0.9), 1e-3, 0.1, 0.2
+
+
+def _layer_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) for p in m.parameters()]
+
+
+def _optimizer(kind: str, model: nn.Module, flagged: bool = True) -> torch.optim.Optimizer:
+    params = split_groups(model.parameters(), _layer_params(model)) if flagged else model.parameters()
+    if kind == "lamb":
+        return Lamb(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    return Adam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+
+
+def _run(layer: nn.Module, batches: list, kind: str, **keys) -> tuple[list[nn.Module], KFACPreconditioner]:
+    """Float64 steps of the base optimizer on K-FAC's eigenbasis directions: the layer before each step, and after."""
+    layer = copy.deepcopy(layer).double()
+    opt = _optimizer(kind, layer)
+    kfac = KFACPreconditioner(layer, optimizer=opt, eigenbasis_moments=True, **{**FLOAT64, **keys})
+    states = [copy.deepcopy(layer)]
+    for x, target in batches:
+        opt.zero_grad()
+        loss_fn(layer(x.double()), target.double()).backward()
+        kfac.step()
+        opt.step()
+        states.append(copy.deepcopy(layer))
+    return states, kfac
+
+
+def _matrix(module: nn.Module) -> torch.Tensor:
+    w = module.weight.detach().reshape(module.weight.shape[0], -1)
+    return torch.cat([w, module.bias.detach().reshape(-1, 1)], 1) if module.bias is not None else w
+
+
+def _apply(kind: str, before: nn.Module, direction: torch.Tensor, step: int) -> torch.Tensor:
+    """The base optimizer's update of ``before`` (as a matrix) with ``direction`` in place of its own ``m / sqrt(v)``:
+    AdamW ``p (1 - lr wd) - lr d``; LAMB, per parameter, ``u = d + wd p``, ``p - lr bc ||p|| / ||u|| u`` with
+    ``bc = sqrt(1 - b2^t) / (1 - b1^t)``."""
+    p = _matrix(before)
+    if kind == "adamw":
+        return p * (1 - LR * DECAY) - LR * direction
+    bc = (1 - BETAS[1] ** step) ** 0.5 / (1 - BETAS[0] ** step)
+    columns = [slice(0, before.weight[0].numel())] + ([slice(-1, None)] if before.bias is not None else [])
+    out = p.clone()
+    for cols in columns:
+        u = direction[:, cols] + DECAY * p[:, cols]
+        out[:, cols] = p[:, cols] - LR * bc * (p[:, cols].norm() / u.norm()) * u
+    return out
+
+
+def _direction(kind: str, m: torch.Tensor, v: torch.Tensor, step: int) -> torch.Tensor:
+    """The rule in the eigenbasis: Adam's bias-corrected ``m_hat / (sqrt(v_hat) + eps)``; LAMB's uncorrected one."""
+    if kind == "adamw":
+        return (m / (1 - BETAS[0] ** step)) / ((v / (1 - BETAS[1] ** step)).sqrt() + EPS)
+    return m / (v.sqrt() + EPS)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "lamb"])
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_steps_and_a_refresh_match_the_documented_equations(case: str, kind: str) -> None:
+    """Three steps, decompositions at steps 0 and 2 (``inv_update_steps=2``, factors of each step's batch alone):
+    step 0 starts the moments in basis Q0; step 1 folds its rotated gradient into them; at step 2, ``m`` is rotated
+    exactly into Q2 and ``v`` re-projected (``R v R^T``, ``R = (Q2^T Q0)^2``) before its gradient is folded in.
+    Every step's parameters follow the float64 simulation to 1e-9."""
+    layer, *_, is_conv = conventions_problem(case, seed=0)
+    batches = [conventions_problem(case, seed=s)[1:3] for s in range(3)]
+    states, kfac = _run(layer, batches, kind, inv_update_steps=2)
+    b1, b2 = BETAS
+    m = v = basis = None
+    for t, (x, target) in enumerate(batches, start=1):
+        _, a, g, grad = reference_step(states[t - 1], x, target, is_conv, "eigen", 0.0)
+        if t in (1, 3):
+            new = ref.eigenbasis(a), ref.eigenbasis(g)
+            if basis is not None:
+                (old_a, old_g), (new_a, new_g) = basis, new
+                m = new_g.t() @ old_g @ m @ old_a.t() @ new_a
+                v = ref.rebased(v, basis, new)
+            basis = new
+        qa, qg = basis
+        rotated = qg.t() @ grad @ qa
+        m = (1 - b1) * rotated if m is None else b1 * m + (1 - b1) * rotated
+        v = (1 - b2) * rotated**2 if v is None else b2 * v + (1 - b2) * rotated**2
+        expected = _apply(kind, states[t - 1], qg @ _direction(kind, m, v, t) @ qa.t(), t)
+        torch.testing.assert_close(_matrix(states[t]), expected, **TOL)
+    # The test can fail: the same moments kept in the parameter basis give another step.
+    _, _, _, grad = reference_step(states[2], *batches[2], is_conv, "eigen", 0.0)
+    plain = _apply(kind, states[2], _direction(kind, (1 - b1) * grad, (1 - b2) * grad**2, 1), 3)
+    assert not torch.allclose(plain, _matrix(states[3]), rtol=1e-3)
+    assert kfac.blocks[0].moments.steps == 3
+    assert kfac.memory_usage()["eigenbasis_moments"] == 2 * 8 * _matrix(layer).numel()  # m and v, float64
+    assert kfac.metrics()["kfac/option/eigenbasis_moments"] == 1.0
+
+
+def _identity(block) -> tuple[torch.Tensor, ...]:
+    a, g = block.adapter.a_dim, block.adapter.g_dim
+    eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
+    return eye(a), torch.ones(a, dtype=torch.float64), eye(g), torch.ones(g, dtype=torch.float64)
+
+
+def _two_layers() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _train_base(model: nn.Module, opt: torch.optim.Optimizer, steps: int, before: Callable[[], None]) -> None:
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = (
+            torch.randn(8, 4, generator=gen, dtype=torch.float64),
+            torch.randn(8, 3, generator=gen, dtype=torch.float64),
+        )
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        before()
+        opt.step()
+
+
+@pytest.mark.parametrize("where", ["before_any_decomposition", "identity_decomposition"])
+@pytest.mark.parametrize("kind", ["adamw", "lamb"])
+def test_identity_basis_is_the_base_optimizer(kind: str, where: str) -> None:
+    """With ``Q = I`` the update is the base optimizer's own: ``torch.optim.AdamW``, or ds_kfac's LAMB (DeepSpeed
+    ``FusedLamb``'s rule) without K-FAC. Both paths: a layer before its first decomposition (the identity basis),
+    and one whose decomposition is installed as the identity and never refreshed."""
+    model = _two_layers()
+    base = copy.deepcopy(model)
+    if kind == "adamw":
+        base_opt = torch.optim.AdamW(base.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    else:
+        base_opt = _optimizer("lamb", base, flagged=False)
+    _train_base(base, base_opt, 5, lambda: None)
+
+    opt = _optimizer(kind, model)
+    kfac = KFACPreconditioner(model, optimizer=opt, eigenbasis_moments=True, **FLOAT64)
+    kfac.schedule.decompose = lambda step: None  # no decomposition ever
+    if where == "identity_decomposition":
+        for block in kfac.blocks:
+            block.install(_identity(block))
+    _train_base(model, opt, 5, kfac.step)
+    assert kfac.preconditioned == (("0", "2") if where == "identity_decomposition" else ())
+    for got, want in zip(model.parameters(), base.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert not torch.equal(next(model.parameters()), next(_two_layers().parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_adam_is_torch_adam(decoupled: bool, dtype: torch.dtype) -> None:
+    """ds_kfac's Adam (the base optimizer eigenbasis_moments builds for JSON Adam/AdamW) without flagged groups is
+    ``torch.optim.Adam``/``AdamW`` bit for bit (CPU)."""
+    model = _two_layers().to(dtype)
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    keys = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    opt = Adam(ours.parameters(), decoupled_weight_decay=decoupled, **keys)
+    torch_opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(theirs.parameters(), **keys)
+    for m, o in ((ours, opt), (theirs, torch_opt)):
+        for step in range(4):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step), dtype=dtype)
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_flagged_group_keeps_no_moments_and_applies_the_direction() -> None:
+    """A flagged group's gradient is the direction: AdamW ``p (1 - lr wd) - lr g``, LAMB's trust ratio on
+    ``g + wd p``; neither keeps ``exp_avg``/``exp_avg_sq`` for it."""
+    p = nn.Parameter(torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64))
+    direction = torch.tensor([[0.3, 0.1], [-0.2, 0.4]], dtype=torch.float64)
+    for kind in ("adamw", "lamb"):
+        q = nn.Parameter(p.detach().clone())
+        q.grad = direction.clone()
+        group = [{"params": [q], GROUP_KEY: True}]
+        opt = Adam(group, lr=LR, weight_decay=DECAY) if kind == "adamw" else Lamb(group, lr=LR, weight_decay=DECAY)
+        opt.step()
+        assert "exp_avg" not in opt.state[q]
+        if kind == "adamw":
+            expected = p * (1 - LR * DECAY) - LR * direction
+        else:
+            u = direction + DECAY * p
+            expected = p - LR * ((1 - 0.999) ** 0.5 / (1 - 0.9)) * (p.norm() / u.norm()) * u
+        torch.testing.assert_close(q.detach(), expected.detach(), rtol=1e-14, atol=0)
+
+
+def _resumable(keys: dict) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
+    model = _two_layers()
+    opt = _optimizer("adamw", model)
+    return model, opt, KFACPreconditioner(model, optimizer=opt, eigenbasis_moments=True, **keys)
+
+
+def test_resume_is_bitwise_and_states_are_checked() -> None:
+    """The moments (with their step count) are saved with K-FAC's state: a run resumed at step 3 (a refresh every
+    2 steps, so the moments move to a new basis after the resume) equals the straight one bit for bit. A state
+    saved without the key, or with a negative second moment, is refused, naming the problem."""
+    keys = dict(inv_update_steps=2, factor_decay=0.8)
+
+    def train(run: tuple, steps: range) -> None:
+        model, opt, kfac = run
+        for step in steps:
+            gen = torch.Generator().manual_seed(step)
+            x, y = (
+                torch.randn(8, 4, generator=gen, dtype=torch.float64),
+                torch.randn(8, 3, generator=gen, dtype=torch.float64),
+            )
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            kfac.step()
+            opt.step()
+
+    straight = _resumable(keys)
+    train(straight, range(6))
+    first = _resumable(keys)
+    train(first, range(3))
+    state = first[2].state_dict()
+    assert state["layers"]["0"]["moments"]["step"] == 3
+    resumed = _resumable(keys)
+    resumed[0].load_state_dict(first[0].state_dict())
+    resumed[1].load_state_dict(first[1].state_dict())
+    resumed[2].load_state_dict(state)
+    train(resumed, range(3, 6))
+    for a, b in zip(straight[0].parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b)
+
+    bad = copy.deepcopy(state)
+    bad["layers"]["2"]["moments"]["exp_avg_sq"][0, 0] = -1.0
+    with pytest.raises(ValueError, match=r"layer '2': moments\['exp_avg_sq'\] has negative entries"):
+        _resumable(keys)[2].load_state_dict(bad)
+    plain = KFACPreconditioner(_two_layers(), lr=0.1, kl_clip=None)
+    with pytest.raises(ValueError, match="saved with eigenbasis_moments=True, this run uses False"):
+        plain.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved with eigenbasis_moments=False, this run uses True"):
+        _resumable(keys)[2].load_state_dict(plain.state_dict())
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"compute_method": "inverse"}, "needs compute_method 'eigen'"),
+        ({"eigenvalue_outer_product": True}, "cannot be combined with eigenvalue_outer_product"),
+        ({"eigenvalue_correction": True}, "cannot be combined with eigenvalue_correction"),
+        ({"grafting": "gradient"}, "cannot be combined with grafting='gradient'"),
+        ({"batchnorm": "unit-wise"}, "cannot be combined with batchnorm='unit-wise'"),
+        ({"kl_clip": 0.001}, "takes no KL clip, this config has kl_clip=0.001"),
+        ({"eigenbasis_moments": 1}, "Input should be a valid boolean"),
+    ],
+)
+def test_bad_combinations_are_refused(keys: dict, message: str) -> None:
+    with pytest.raises(KFACConfigError, match=rf"kfac\.eigenbasis_moments: .*{message}"):
+        KFACConfig.parse({"eigenbasis_moments": True, **keys})
+    assert KFACConfig.parse({"eigenbasis_moments": True}).kl_clip is None
+
+
+def test_base_optimizers_that_cannot_carry_the_moments_are_refused() -> None:
+    """The preconditioner needs a flagged ds_kfac Lamb/Adam holding exactly its layers' parameters."""
+    model = _two_layers()
+    cases = [
+        (torch.optim.SGD(model.parameters(), lr=0.1), "needs a base optimizer that applies K-FAC's directions"),
+        (Adam(model.parameters()), "no param group of the Adam optimizer is flagged"),
+        (
+            Adam(split_groups(model.parameters(), [model[0].weight])),
+            r"not flagged: \['0.bias', '2.bias', '2.weight'\]; flagged but not K-FAC's: 0",
+        ),
+        (Lamb(split_groups(model.parameters(), _layer_params(model)), max_grad_norm=1.0), "LAMB's max_grad_norm"),
+        (
+            Adam(
+                split_groups(model.parameters(), _layer_params(model)), weight_decay=0.1, decoupled_weight_decay=False
+            ),
+            "L2 weight decay",
+        ),
+        (None, "needs the base optimizer: pass optimizer="),
+    ]
+    for opt, message in cases:
+        with pytest.raises(KFACConfigError, match=message):
+            KFACPreconditioner(model, optimizer=opt, lr=0.1, eigenbasis_moments=True)
+    rest = [model[0].bias, model[2].weight, model[2].bias]
+    groups = split_groups([{"params": [model[0].weight], "betas": (0.5, 0.9)}, {"params": rest}], _layer_params(model))
+    with pytest.raises(KFACConfigError, match="disagree on betas"):
+        KFACPreconditioner(model, optimizer=Adam(groups), eigenbasis_moments=True)
+    with pytest.raises(ValueError, match="allowed.*adam_w_mode"):
+        build_optimizer("AdamW", model.parameters(), {"lr": 0.1, "momentum": 0.9})
+
+
+def test_split_groups_keeps_settings_and_order() -> None:
+    model = _two_layers()
+    decay = [model[0].weight, model[2].weight]
+    groups = split_groups(
+        [{"params": decay, "weight_decay": 0.1}, {"params": [model[0].bias, model[2].bias]}],
+        [model[2].weight, model[0].bias],
+    )
+    assert [(len(g["params"]), g.get("weight_decay"), g.get(GROUP_KEY, False)) for g in groups] == [
+        (1, 0.1, True),
+        (1, 0.1, False),
+        (1, None, True),
+        (1, None, False),
+    ]
+    assert groups[0]["params"][0] is model[2].weight and groups[2]["params"][0] is model[0].bias
+
+
+# ----------------------------------------------------------------------------------------------- DeepSpeed, 2 ranks
+WORLD, MICRO, GA, STEPS = 2, 2, 2, 5
+ADAMW = {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
+LAMB = {"type": "Lamb", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
+KEYS = {"eigenbasis_moments": True, "factor_update_steps": 1, "inv_update_steps": 2}
+# The engine clips the raw gradients (0.05 is below their norm at every step here, so every step is clipped).
+CLIP = 0.05
+# LAMB at stage 0 only: under ZeRO 1/2 DeepSpeed hands the optimizer each rank's flat partition of a param group, so
+# LAMB's trust ratio is one per partition, not one per parameter as in a single process (docs/support.md).
+VARIANTS = {
+    "stage0_adamw_clipped": ({"optimizer": ADAMW, "gradient_clipping": CLIP}, {}),
+    "stage0_lamb_mem_opt": ({"optimizer": LAMB}, {"grad_worker_fraction": "mem-opt"}),
+    "stage1_adamw_mem_opt": (
+        {"optimizer": ADAMW, "zero_optimization": {"stage": 1}},
+        {"grad_worker_fraction": "mem-opt"},
+    ),
+    "stage2_adamw_clipped": ({"optimizer": ADAMW, "gradient_clipping": CLIP, "zero_optimization": {"stage": 2}}, {}),
+    "stage2_adamw_mem_opt_reduce": (
+        {"optimizer": ADAMW, "zero_optimization": {"stage": 2}},
+        {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"},
+    ),
+    "stage3_adamw_mem_opt": (
+        {"optimizer": ADAMW, "zero_optimization": {"stage": 3}},
+        {"grad_worker_fraction": "mem-opt"},
+    ),
+}
+# All of the problem's parameters are K-FAC's: AdamW keeps no state for them, so the weights and K-FAC's state (with
+# the moments) are the whole state, which DeepSpeed's ZeRO 2 checkpoint cannot reload at another world size.
+RESUMABLE = {"optimizer": ADAMW, "zero_optimization": {"stage": 2}}
+BF16 = {"optimizer": ADAMW, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+ERRORS = {
+    "sgd": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "SGD keeps no second moment"),
+    "adam_l2": (
+        {"optimizer": {"type": "Adam", "params": {"lr": 0.1, "weight_decay": 0.1, "adam_w_mode": False}}},
+        "Adam's L2 weight decay",
+    ),
+}
+# Float32, with Adam's division by sqrt(v) in the eigenbasis: 2 ranks are within 2e-6 of one process after 5 steps.
+FP32_TOL = dict(rtol=1e-5, atol=5e-6)
+
+
+def reference_run(ds: dict, keys: dict, steps: int = STEPS) -> list[torch.Tensor]:
+    """One process, plain PyTorch: the global batch of every step, the JSON optimizer built as initialize builds it
+    (flagged groups), the raw gradients clipped by ``torch.nn.utils.clip_grad_norm_`` before K-FAC."""
+    from workers import problem
+
+    model = problem.make_model()
+    groups = split_groups(problem.param_groups(model), _layer_params(model))
+    opt = build_optimizer(ds["optimizer"]["type"], groups, ds["optimizer"]["params"])
+    kfac = KFACPreconditioner(model, optimizer=opt, **{**KEYS, **keys})
+    for step in range(steps):
+        x, y = problem.global_batch(step, WORLD * MICRO * GA)
+        opt.zero_grad()
+        problem.loss_fn(model(x), y).backward()
+        if ds.get("gradient_clipping"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ds["gradient_clipping"])
+        kfac.step()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """One launch: the variants, a checkpointed run and its resume, bf16 with a loss scale and with an overflow,
+    and the refusals."""
+    import launch
+
+    out = tmp_path_factory.mktemp("eigenbasis")
+    ckpt = str(out / "ckpt")
+    resumable = {"ds": RESUMABLE, "kfac": {**KEYS, "grad_worker_fraction": "mem-opt"}}
+    scenarios = {name: {"ds": ds, "kfac": {**KEYS, **keys}, "steps": STEPS} for name, (ds, keys) in VARIANTS.items()}
+    scenarios.update(
+        straight={**resumable, "steps": 6, "save": {"dir": ckpt, "at": 3}},
+        resumed={**resumable, "steps": 6, "load": ckpt},
+        bf16={"ds": BF16, "kfac": KEYS, "steps": 4},
+        bf16_scaled={"ds": BF16, "kfac": KEYS, "steps": 4, "loss_scale": 1024},
+        bf16_overflow={"ds": BF16, "kfac": KEYS, "steps": 5, "nan_step": 2},
+        bf16_skipped={"ds": BF16, "kfac": KEYS, "steps": 5, "skip_steps": [2]},
+    )
+    for name, (ds, _) in ERRORS.items():
+        scenarios[f"error_{name}"] = {"ds": ds, "kfac": KEYS, "steps": 1, "expect_error": True}
+    runs = launch.deepspeed_run(WORLD, out, list(scenarios.values()), timeout=400)
+    results = dict(zip(scenarios, runs))
+    alone = {**resumable, "steps": 6, "ga": GA * WORLD, "load_consolidated": ckpt}
+    (single,) = launch.deepspeed_run(1, out, [alone])
+    results["resumed_alone"] = single
+    return results
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_deepspeed_matches_single_process(deepspeed_runs: dict, variant: str) -> None:
+    """ZeRO 0-3, comm-opt and mem-opt, AdamW and LAMB, the raw gradients clipped by the engine: every rank equals
+    the single-process run (ranks bit-identical); the JSON optimizer was built by ds_kfac."""
+    ds, keys = VARIANTS[variant]
+    expected = reference_run(ds, keys)
+    results = deepspeed_runs[variant]
+    assert results[0]["optimizer"] == {"AdamW": "Adam", "Lamb": "Lamb"}[ds["optimizer"]["type"]]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], r["params"]))
+    for got, want in zip(results[0]["params"], expected):
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    if ds.get("gradient_clipping"):  # the test can fail: without the engine's clipping the run differs
+        unclipped = reference_run({**ds, "gradient_clipping": 0.0}, keys)
+        assert not torch.allclose(unclipped[0], expected[0], rtol=1e-3)
+
+
+def test_resume_is_bitwise_and_world_size_independent(deepspeed_runs: dict) -> None:
+    """Saved after step 3 of 6 (ZeRO 2, mem-opt: each layer's moments on one rank), resumed on 2 ranks: bit for
+    bit the straight run; on 1 rank with the same global batch (the weights through DeepSpeed's ``zero_to_fp32``,
+    K-FAC's state from its file): the single-process run."""
+    straight, resumed = deepspeed_runs["straight"], deepspeed_runs["resumed"]
+    for r in range(WORLD):
+        assert all(torch.equal(a, b) for a, b in zip(straight[r]["params"], resumed[r]["params"]))
+    saved = resumed[0]["kfac"]["layers"]
+    assert all(entry["moments"]["step"] == 6 for entry in saved.values())
+    expected = reference_run(RESUMABLE, {"grad_worker_fraction": "mem-opt"}, steps=6)
+    for got, want in zip(deepspeed_runs["resumed_alone"][0]["params"], expected):
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_loss_scale_and_a_skipped_step(deepspeed_runs: dict) -> None:
+    """bf16 ZeRO 1 with a loss scale of 1024 gives the unscaled run (the moments see unscaled gradients); a step that
+    DeepSpeed skips for a non-finite gradient leaves the moments as if it never ran."""
+    plain, scaled = deepspeed_runs["bf16"][0], deepspeed_runs["bf16_scaled"][0]
+    for a, b in zip(plain["params"], scaled["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+    overflow, skipped = deepspeed_runs["bf16_overflow"][0], deepspeed_runs["bf16_skipped"][0]
+    assert overflow["skipped_steps"] == 1
+    for name, entry in skipped["kfac"]["layers"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(
+                torch.as_tensor(overflow["kfac"]["layers"][name]["moments"][key]),
+                torch.as_tensor(entry["moments"][key]),
+            )
+    for a, b in zip(overflow["params"], skipped["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_initialize_refuses_what_cannot_carry_the_moments(deepspeed_runs: dict, case: str) -> None:
+    assert ERRORS[case][1] in deepspeed_runs[f"error_{case}"][0]["error"]
