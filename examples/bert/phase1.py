@@ -5,14 +5,15 @@ does. This script trains phase 1 (``configs/bert_cpu_phase1_lamb.json`` through 
 ranks) into ``<out>/<key>/`` unless that run is already complete, then prints the directory, which holds
 ``checkpoints/`` (the final step), ``tokenizer/`` and ``metrics.csv``; ``pretrain.py --init-checkpoint <dir>``
 takes both the weights and the tokenizer from it. The key hashes what determines the checkpoint: the config, the
-corpus digest, the code that trains (``examples/bert/*.py``, ``ds_kfac``'s optimizers and ``initialize``), the
-seed and the versions of torch, transformers, tokenizers and DeepSpeed. The launcher's output goes to stderr, so
-``$(python examples/bert/phase1.py)`` captures the path alone.
+corpus digest, the code that trains (``examples/bert/pretrain.py`` and ``data.py``, ``ds_kfac``'s optimizers and
+``initialize``), the seed and the versions of torch, transformers, tokenizers and DeepSpeed. Everything else it
+and the launcher print goes to stderr, so ``$(python examples/bert/phase1.py)`` captures the path alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shutil
@@ -27,7 +28,8 @@ from ds_kfac.integration.cleanup import run_launcher  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bert_cpu_phase1_lamb.json"
 CODE = [
-    *sorted((ROOT / "examples" / "bert").glob("*.py")),
+    ROOT / "examples" / "bert" / "pretrain.py",
+    ROOT / "examples" / "bert" / "data.py",
     *sorted((ROOT / "ds_kfac" / "optimizers").glob("*.py")),
     ROOT / "ds_kfac" / "integration" / "initialize.py",
 ]
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the phase-1 run")
     args = parser.parse_args(argv)
-    print(build(args.out, args.cache_dir, args.config.resolve(), args.seed, args.timeout))
+    with contextlib.redirect_stdout(sys.stderr):  # what DeepSpeed and the corpus print goes to stderr
+        run = build(args.out, args.cache_dir, args.config.resolve(), args.seed, args.timeout)
+    print(run)
 
 
 if __name__ == "__main__":
