@@ -12,6 +12,9 @@ so :func:`shutdown` also ends plain PyTorch / DDP jobs.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
 import os
 import signal
 import subprocess
@@ -83,6 +86,18 @@ def run_launcher(
         release_port_segments(port)
 
 
+@functools.cache
+def _collect_at_exit() -> None:
+    """Run a garbage collection when the interpreter exits, before its teardown (once per process).
+
+    A DeepSpeed engine sits in reference cycles (hooks, optimizer wrappers), so it and the gloo process groups
+    it still references are freed only by the interpreter's last collection, once its teardown has begun; gloo's
+    destructors can then abort the process ("terminate called without an active exception", as PyTorch's
+    c10d notes for groups freed during finalization). Collected from an ``atexit`` handler, they are freed while
+    the interpreter is whole."""
+    atexit.register(gc.collect)
+
+
 def shutdown() -> None:
     """End this rank's part of the distributed job; call it on every rank at the end of training.
 
@@ -95,6 +110,7 @@ def shutdown() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _collect_at_exit()
     dist.barrier()
     release_deepspeed_shm()
     # DeepSpeed's own destroy also drops the group handles it caches; it is used only

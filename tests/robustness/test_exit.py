@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,3 +47,37 @@ def test_two_rank_job_ends_with_no_segment_and_no_process_group(tmp_path: Path) 
     assert [e["segment_left"] for e in exits] == [False, False]
     # The segments existed until shutdown (on CPU: GPU jobs create none), so the checks above are not vacuous.
     assert [e["had_segment"] for e in exits] == [not torch.cuda.is_available()] * 2
+
+
+ENGINE_FREED_AT_EXIT = """
+import atexit, weakref
+import torch
+import ds_kfac
+
+engine_ref = []
+# Registered first, so it runs last among the exit handlers: after the collection shutdown() registered.
+atexit.register(lambda: print("engine freed before teardown:", engine_ref[0]() is None, flush=True))
+
+
+def main():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "kfac": {"kl_clip": None}}
+    engine, *_ = ds_kfac.initialize(model=model, config=config)
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    engine_ref.append(weakref.ref(engine))
+    ds_kfac.shutdown()
+
+
+main()
+"""
+
+
+def test_the_engine_and_its_process_groups_are_freed_before_the_interpreter_tears_down() -> None:
+    """A DeepSpeed engine sits in reference cycles, so without a collection it and the gloo groups it references are
+    freed only once the interpreter's teardown has begun, where gloo can abort ("terminate called without an active
+    exception"; seen about once in two full test runs, in the batch-scaling smoke launch). ``shutdown()`` registers
+    a collection at exit: by the last exit handler the engine is gone."""
+    (out,) = launch.run([[sys.executable, "-c", ENGINE_FREED_AT_EXIT]], timeout=120, env=launch.one_rank_env())
+    assert "engine freed before teardown: True" in out
