@@ -125,13 +125,15 @@ def _two_layers() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
 
 
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s float64 inputs and regression targets for the small MLP."""
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen, dtype=torch.float64)
+
+
 def _train_base(model: nn.Module, opt: torch.optim.Optimizer, steps: int, before: Callable[[], None]) -> None:
     for step in range(steps):
-        gen = torch.Generator().manual_seed(step)
-        x, y = (
-            torch.randn(8, 4, generator=gen, dtype=torch.float64),
-            torch.randn(8, 3, generator=gen, dtype=torch.float64),
-        )
+        x, y = _batch(step)
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         before()
@@ -220,11 +222,7 @@ def test_resume_is_bitwise_and_states_are_checked() -> None:
     def train(run: tuple, steps: range) -> None:
         model, opt, kfac = run
         for step in steps:
-            gen = torch.Generator().manual_seed(step)
-            x, y = (
-                torch.randn(8, 4, generator=gen, dtype=torch.float64),
-                torch.randn(8, 3, generator=gen, dtype=torch.float64),
-            )
+            x, y = _batch(step)
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             kfac.step()

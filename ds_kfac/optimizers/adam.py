@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .eigenbasis import GROUP_KEY
-from .lamb import ParamsT, _state_dtype, check_hyperparameters
+from .lamb import ParamsT, _state_dtype, check_hyperparameters, evaluate_closure
 
 
 class Adam(torch.optim.Optimizer):
@@ -65,10 +65,7 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Apply one update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             given = bool(group.get(GROUP_KEY, False))
             for p in group["params"]:

@@ -65,6 +65,14 @@ def check_hyperparameters(name: str, lr: float, eps: float, betas: tuple[float, 
         raise ValueError(f"{name}: invalid weight_decay {weight_decay}, must be >= 0")
 
 
+def evaluate_closure(closure: Optional[Callable[[], float]]) -> Optional[float]:
+    """The loss ``closure`` returns, evaluated with gradients enabled (``torch.optim``'s protocol), or ``None``."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _state_dtype(param: Tensor) -> torch.dtype:
     """Moment estimates are float32 for half-precision parameters, else the parameter's dtype."""
     return torch.promote_types(param.dtype, torch.float32)
@@ -140,10 +148,7 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Apply one LAMB update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         self._lamb_coeffs = []
         for group in self.param_groups:
             self._lamb_coeffs.extend(self._step_group(group))
