@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(420)
 
 KFAC = {"kl_clip": 0.01, "damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
 MEM_OPT_REDUCE = {"grad_worker_fraction": "mem-opt", "factor_reduction": "reduce"}
+EIGENBASIS_MOMENTS = {**KFAC, "eigenbasis_moments": True, "kl_clip": None}
 STEPS, PER_RANK = 5, 2
 # fp32: factors summed in another order than the single process's, then eigendecomposed;
 # over 5 steps that moves small parameters by up to ~2e-6. BatchNorm over 2 rows per rank amplifies float32 rounding
@@ -157,8 +158,8 @@ def reference(
     that rank's generator, and BatchNorm normalizes each rank's rows on their own, as under DDP.
     """
     model = problem.MODELS[model]()
-    opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
     config = {**KFAC, **keys}
+    opt = problem.make_optimizer(model, config)
     per_rank_passes = bool(owners) or config.get("fisher") == "sampled" or problem.has_batchnorm(model)
     kfac = KFACPreconditioner(model, optimizer=opt, accumulation_steps=world if per_rank_passes else 1, **config)
     current = {"rank": 0}
@@ -231,13 +232,24 @@ def scenarios(world: int) -> dict[str, dict]:
     runs["hybrid-corrected"] = {
         "kfac": {**KFAC, "grad_worker_fraction": min(1.0, 2 / world), "eigenvalue_correction": True}
     }
+    # AdamW's moments in K-FAC's eigenbasis, kept on the ranks that precondition each layer: 2 of them per layer
+    # (hybrid at 4 ranks), or one with the factors reduced to it.
+    runs["hybrid-eigenbasis-moments"] = {"kfac": {**EIGENBASIS_MOMENTS, "grad_worker_fraction": min(1.0, 2 / world)}}
+    runs["mem-opt-eigenbasis-moments-reduce"] = {"kfac": {**EIGENBASIS_MOMENTS, **MEM_OPT_REDUCE}}
     runs["uniform-comm-opt-allreduce"] = {"kfac": KFAC, "model": "uniform"}
     runs["uniform-mem-opt-reduce"] = {"kfac": {**KFAC, **MEM_OPT_REDUCE}, "model": "uniform"}
     for run in runs.values():
         run.update(steps=STEPS, per_rank=PER_RANK)
     # S is defined in an eigenbasis, which eigh picks freely within a degenerate (null) space: with fewer global rows
     # than A's size (7) the ranks and the single process would pick different ones. 4 rows per rank.
-    runs["mem-opt-corrected-reduce"]["per_rank"] = runs["hybrid-corrected"]["per_rank"] = 4
+    # The same for the moments, which AdamW's division by sqrt(v) makes sensitive to a null space's basis.
+    for name in (
+        "mem-opt-corrected-reduce",
+        "hybrid-corrected",
+        "hybrid-eigenbasis-moments",
+        "mem-opt-eigenbasis-moments-reduce",
+    ):
+        runs[name]["per_rank"] = 4
     return runs
 
 
@@ -324,9 +336,12 @@ def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str,
     reduction = keys.get("factor_reduction", "allreduce")
     eigen = keys.get("compute_method", "eigen") == "eigen"
     corrected = keys.get("eigenvalue_correction", False)
+    moments = keys.get("eigenbasis_moments", False)
     out = {"factors": 0, "decompositions": 0, "refresh_references": 0}
     if corrected:
         out["eigenvalue_corrections"] = 0
+    if moments:
+        out["eigenbasis_moments"] = 0
     for name, (a_worker, g_worker, workers) in results[0]["layers"].items():
         a, g = results[0]["shapes"][name]
         floats = statistic_floats(results[0]["sides"][name], a, g)
@@ -341,6 +356,8 @@ def expected_memory(scenario: dict, results: list[dict], rank: int) -> dict[str,
             out["decompositions"] += 4 * (sum(floats.values()) + eigenvalues)
         if corrected and rank in workers:
             out["eigenvalue_corrections"] += 4 * g * a
+        if moments and rank in workers:  # m and v
+            out["eigenbasis_moments"] += 2 * 4 * g * a
         if keys["inv_update_steps"] == "adaptive":
             out["refresh_references"] += 2 * 4 * sum(held.values())
     return out
@@ -396,7 +413,8 @@ def expected_bytes(world: int, scenario: dict, results: list[dict], step: int) -
     if corrected:  # S, all-reduced beside the factors (also when they are reduced to one rank)
         out["all_reduce"] += world * 4 * sum(a * g for name, (a, g) in shapes.items() if name not in unit_wise)
     if n < world:
-        out["all_reduce"] += world * 4  # the KL-clip sum
+        if keys["kl_clip"] is not None:
+            out["all_reduce"] += world * 4  # the KL-clip sum
         out["broadcast"] += n * sum(4 * a * g for a, g in shapes.values())  # P(g) along rows
     holders = world if corrected and reduction != "local" else n  # the ranks each decomposition goes to
     if holders > 1 and step % keys["inv_update_steps"] == 0:
@@ -429,3 +447,29 @@ def test_state_dict_is_whole_on_the_saving_rank(world_runs) -> None:
         torch.testing.assert_close(entry["G"], block.g.value, **FP32_TOL)
         assert len(entry["state"]) == len(block.decomposition)
     assert all(r["kfac"] is None for r in results[1:])
+
+
+def test_moments_live_on_the_preconditioning_ranks_and_are_saved_whole(world_runs) -> None:
+    """With ``eigenbasis_moments`` each layer's moments are kept on its gradient workers only (the memory test checks
+    the bytes), and the saving rank gathers every layer's ``m``, ``v`` and update count, equal to one process's.
+    ``eigh`` picks each eigenvector's sign freely (factors summed in another order can flip one), so ``m`` is compared
+    in the parameter basis, ``Q_G m Q_A^T``, with each run's own saved basis; ``v`` does not change with the signs."""
+    world, runs = world_runs
+    for name in ("hybrid-eigenbasis-moments", "mem-opt-eigenbasis-moments-reduce"):
+        scenario = scenarios(world)[name]
+        _, kfac = reference(world, per_rank=scenario["per_rank"], **scenario["kfac"])
+        layers = runs[name][0]["kfac"]["layers"]
+        assert set(layers) == {b.name for b in kfac.blocks}
+        for block in kfac.blocks:
+            saved = layers[block.name]["moments"]
+            assert int(saved["step"]) == block.moments.steps == STEPS
+            q_a, _, q_g, _ = layers[block.name]["state"]
+            ref_a, _, ref_g, _ = block.decomposition
+            torch.testing.assert_close(
+                q_g @ saved["exp_avg"] @ q_a.T, ref_g @ block.moments.value[0] @ ref_a.T, **FP32_TOL
+            )
+            torch.testing.assert_close(saved["exp_avg_sq"], block.moments.value[1], rtol=1e-4, atol=1e-10)
+        if world > 1:
+            placement = runs[name][0]["layers"]
+            workers = {len(grad_workers) for _, _, grad_workers in placement.values()}
+            assert workers == {min(2, world) if name.startswith("hybrid") else 1}, name

@@ -42,7 +42,7 @@ def train(scenario: dict) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = problem.MODELS[scenario.get("model", "mlp")]()
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(problem.param_groups(model), lr=0.1)
+    opt = problem.make_optimizer(model, scenario["kfac"])
     kfac = KFACPreconditioner(model, optimizer=opt, **scenario["kfac"])
     per_rank = scenario.get("per_rank", 2)
     params, comm = [], []

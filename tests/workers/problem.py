@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import ds_kfac
+from ds_kfac.optimizers import Adam, split_groups
+
 IN, OUT = 6, 3
 
 
@@ -61,6 +64,15 @@ def param_groups(model: nn.Module) -> list[dict]:
         {"params": [p for n, p in named if n.endswith("weight")]},
         {"params": [p for n, p in named if n.endswith("bias")]},
     ]
+
+
+def make_optimizer(model: nn.Module, kfac: dict) -> torch.optim.Optimizer:
+    """SGD on :func:`param_groups`; with ``eigenbasis_moments``, ds_kfac's AdamW with K-FAC's layers in flagged groups
+    (docs/standalone.md), which then applies the directions K-FAC's moments give."""
+    if not kfac.get("eigenbasis_moments"):
+        return torch.optim.SGD(param_groups(model), lr=0.1)
+    layers = ds_kfac.preconditioned_parameters(model, ds_kfac.KFACConfig.parse(kfac))
+    return Adam(split_groups(param_groups(model), layers), lr=0.02, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
 
 
 def global_batch(step: int, size: int, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
