@@ -21,7 +21,7 @@ import torch
 
 from ..config import KFACConfig
 from ..curvature.decomposition import Shape
-from ..curvature.factors import finite_flags
+from ..curvature.numerics import finite_flags
 from ..curvature.refresh import factor_name
 from .record import (
     DECOMPOSITION,

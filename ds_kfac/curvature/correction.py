@@ -15,8 +15,8 @@ from typing import Union
 
 import torch
 
-from .factors import RunningAverage, compute_dtype
-from .numerics import change_basis
+from .factors import RunningAverage
+from .numerics import change_basis, compute_dtype
 
 PER_EXAMPLE_ELEMENTS = 2**24
 """At most this many elements of per-example gradients (``examples x g_dim x a_dim``) exist at once: examples with

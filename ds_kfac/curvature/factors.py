@@ -14,10 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-
-def compute_dtype(storage_dtype: torch.dtype) -> torch.dtype:
-    """K-FAC arithmetic runs in float32 or better, whatever the storage dtype."""
-    return torch.float64 if storage_dtype == torch.float64 else torch.float32
+from .numerics import compute_dtype, curvature_floor
 
 
 class RunningAverage:
@@ -88,8 +85,6 @@ class KroneckerFactor(RunningAverage):
         blended = super().blend(step_value, decay)
         if self.value is None:
             return blended
-        from .numerics import curvature_floor
-
         dtype = compute_dtype(self.dtype)
         dead = self.value.to(dtype).diagonal().mean() < curvature_floor(dtype)  # a device bool: no host sync
         return torch.where(dead, step_value.to(dtype), blended.to(dtype)).to(self.dtype)
@@ -126,17 +121,3 @@ def _add_outer(
         target[d, :d].add_(column)
         target[d, d].add_(n * weight)
     return target
-
-
-def is_finite(t: torch.Tensor) -> torch.Tensor:
-    """Whether ``t`` is finite, as a device tensor (no host sync): one summing pass, no temporary of
-    its size. A NaN or infinity makes the sum non-finite (summed in float32 or better, so a finite
-    float16 tensor does not overflow its own sum)."""
-    return torch.isfinite(t.sum(dtype=compute_dtype(t.dtype)))
-
-
-def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    """:func:`is_finite` of each tensor, with one host sync for all of them."""
-    if not tensors:
-        return []
-    return torch.stack([is_finite(t) for t in tensors]).tolist()

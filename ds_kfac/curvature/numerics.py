@@ -1,5 +1,5 @@
 """The numerics every decomposition shares: LAPACK with a float64 retry, the curvature floor of relative
-damping, and finiteness as a device tensor (see :mod:`.decomposition` for the methods built on them)."""
+damping, the compute dtype and finiteness as a device tensor, a change of eigenbasis (see :mod:`.decomposition` for the methods built on them)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,29 @@ from typing import Callable, Optional
 
 import torch
 
-from .factors import is_finite
+
+def compute_dtype(storage_dtype: torch.dtype) -> torch.dtype:
+    """K-FAC arithmetic runs in float32 or better, whatever the storage dtype."""
+    return torch.float64 if storage_dtype == torch.float64 else torch.float32
 
 
-def with_fallback(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], matrix: torch.Tensor, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, ...]]:
+def is_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` is finite, as a device tensor (no host sync): one summing pass, no temporary of
+    its size. A NaN or infinity makes the sum non-finite (summed in float32 or better, so a finite
+    float16 tensor does not overflow its own sum)."""
+    return torch.isfinite(t.sum(dtype=compute_dtype(t.dtype)))
+
+
+def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """:func:`is_finite` of each tensor, with one host sync for all of them."""
+    if not tensors:
+        return []
+    return torch.stack([is_finite(t) for t in tensors]).tolist()
+
+
+def with_fallback(
+    fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], matrix: torch.Tensor, dtype: torch.dtype
+) -> Optional[tuple[torch.Tensor, ...]]:
     """``fn(matrix)`` in ``dtype``, retried in float64 (results cast back) if LAPACK fails; ``None`` if both fail.
 
     Results keep LAPACK's layout (column-major eigenvectors; a rank that receives them

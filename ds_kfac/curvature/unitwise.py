@@ -20,8 +20,8 @@ import torch
 from ..layers.base import LayerAdapter
 from .block import CurvatureBlock
 from .decomposition import Decomposition, Shape, State
-from .factors import RunningAverage, compute_dtype
-from .numerics import curvature_floor, floor_damping
+from .factors import RunningAverage
+from .numerics import compute_dtype, curvature_floor, floor_damping
 
 
 class UnitFisher(RunningAverage):

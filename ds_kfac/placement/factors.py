@@ -16,7 +16,7 @@ import torch
 
 from ..comm import OrderedBuckets, all_reduce_sum_, pack_symmetric, unpack_symmetric
 from ..curvature import CurvatureBlock, KroneckerFactor, RunningAverage, blocks_device
-from ..curvature.factors import finite_flags
+from ..curvature.numerics import finite_flags
 from .roles import Roles
 
 Reduced = list[tuple[CurvatureBlock, str, Optional[torch.Tensor]]]
