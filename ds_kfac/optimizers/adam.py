@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .common import ParamsT, check_hyperparameters, evaluate_closure, state_dtype
 from .eigenbasis import GROUP_KEY
-from .lamb import ParamsT, _state_dtype, check_hyperparameters, evaluate_closure
 
 
 class Adam(torch.optim.Optimizer):
@@ -79,7 +79,7 @@ class Adam(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict[str, Any], direction_given: bool) -> None:
         """One parameter's update; ``direction_given``: its gradient is K-FAC's normalised direction."""
         lr, decay = group["lr"], group["weight_decay"]
-        dtype = _state_dtype(p)
+        dtype = state_dtype(p)
         weight = p.to(dtype)
         grad = p.grad.to(dtype)
         if decay != 0.0 and group["decoupled_weight_decay"]:

@@ -38,44 +38,17 @@ no moments and takes it as the update before weight decay; the trust ratio and s
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 
+from .common import ParamsT, check_hyperparameters, evaluate_closure, state_dtype
 from .eigenbasis import GROUP_KEY
-
-ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
 # Added to the gradient norm before dividing by ``max_grad_norm``, as FusedLamb does.
 _CLIP_NORM_EPS = 1e-6
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def check_hyperparameters(name: str, lr: float, eps: float, betas: tuple[float, float], weight_decay: float) -> None:
-    """Raise ``ValueError`` naming the optimizer and the value for a negative ``lr``, ``eps`` or ``weight_decay``, or
-    ``betas`` that are not two values in [0, 1)."""
-    if lr < 0.0:
-        raise ValueError(f"{name}: invalid lr {lr}, must be >= 0")
-    if eps < 0.0:
-        raise ValueError(f"{name}: invalid eps {eps}, must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{name}: invalid betas {betas}, need two values in [0, 1)")
-    if weight_decay < 0.0:
-        raise ValueError(f"{name}: invalid weight_decay {weight_decay}, must be >= 0")
-
-
-def evaluate_closure(closure: Optional[Callable[[], float]]) -> Optional[float]:
-    """The loss ``closure`` returns, evaluated with gradients enabled (``torch.optim``'s protocol), or ``None``."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-def _state_dtype(param: Tensor) -> torch.dtype:
-    """Moment estimates are float32 for half-precision parameters, else the parameter's dtype."""
-    return torch.promote_types(param.dtype, torch.float32)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -143,7 +116,7 @@ class Lamb(torch.optim.Optimizer):
         for saved_id, p in zip(saved_ids, params):
             for key in _MOMENT_KEYS:
                 if key in saved_state.get(saved_id, {}):
-                    self.state[p][key] = saved_state[saved_id][key].to(device=p.device, dtype=_state_dtype(p))
+                    self.state[p][key] = saved_state[saved_id][key].to(device=p.device, dtype=state_dtype(p))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -172,7 +145,7 @@ class Lamb(torch.optim.Optimizer):
             if not state:
                 state["step"] = 0
                 for key in _MOMENT_KEYS if moments else ():
-                    state[key] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+                    state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
             state["step"] += 1
             buckets[(p.device, p.dtype, state["step"])].append(index)
         grad_divisor = self._grad_clip_divisor(params, buckets.values(), group["max_grad_norm"])
@@ -206,7 +179,7 @@ class Lamb(torch.optim.Optimizer):
     ) -> list[Tensor]:
         """LAMB update of same-device, same-dtype, same-step parameters; returns their trust ratios."""
         beta1, beta2 = group["betas"]
-        compute_dtype = _state_dtype(params[0])
+        compute_dtype = state_dtype(params[0])
         # Working copies in the state dtype; ``.to`` returns the tensor itself when the
         # dtype already matches, so full-precision parameters are updated in place below.
         weights = [p.to(compute_dtype) for p in params]

@@ -41,8 +41,9 @@ import torch
 from torch import Tensor
 
 from .adam import Adam
+from .common import ParamsT
 from .eigenbasis import GROUP_KEY
-from .lamb import Lamb, ParamsT
+from .lamb import Lamb
 
 logger = logging.getLogger(__name__)
 
