@@ -64,6 +64,8 @@ class KFACEngineMixin(CheckpointMixin):
         self.raw_gradient_clipping = raw_gradient_clipping
         """With ``eigenbasis_moments``: DeepSpeed's ``gradient_clipping``, applied here to the raw gradients before
         K-FAC turns them into directions (``ds_kfac.initialize`` sets DeepSpeed's own to 0)."""
+        self._clipped = [p for p in self.module.parameters() if p.requires_grad] if raw_gradient_clipping > 0 else []
+        """The parameters whose gradients :attr:`raw_gradient_clipping` clips (found once, not every step)."""
         self.kfac = KFACPreconditioner(
             self.module,
             self._kfac_config(kfac_config),
@@ -123,8 +125,7 @@ class KFACEngineMixin(CheckpointMixin):
         then advance K-FAC, or undo its step if DeepSpeed skipped the update (fp16/bf16 overflow)."""
         snapshot = self.kfac.snapshot()
         if self.raw_gradient_clipping > 0:
-            trainable = [p for p in self.module.parameters() if p.requires_grad]
-            self.kfac.layout.clip_by_norm(trainable, self.raw_gradient_clipping)
+            self.kfac.layout.clip_by_norm(self._clipped, self.raw_gradient_clipping)
         preconditioned = self.kfac.precondition_gradients()
         if preconditioned and not self._preconditioning_verified:
             self._verify_preconditioning()
