@@ -14,6 +14,8 @@ CIFAR ResNet-20 and the demo's ResNet-8) on 1 or 2 CPU processes (gloo, one thre
     python benchmarks/step_cost.py run --set inv_update_steps=20 --set damping=0.01   # K-FAC key overrides
     python benchmarks/step_cost.py run --set fisher='"sampled"'          # the sampled Fisher's extra backward
     python benchmarks/step_cost.py run --smoke --out /tmp/smoke.json     # BERT-tiny, ResNet-8 at 16x16 (CI)
+    python benchmarks/step_cost.py run --device cuda --workloads bert-base --worlds 1 --ga 8  # BERT-base shapes
+                                                                         # on a GPU (benchmarks/gpu/run.py)
     python benchmarks/step_cost.py table benchmarks/results/step_cost.json
 
 Method. Every configuration (workload, world, placement, gradient accumulation
@@ -29,8 +31,9 @@ arms alternate in chunks of one decomposition cycle (``inv_update_steps``
 optimizer steps: every phase of the schedule once): a warm-up per arm, not
 counted (one cycle, or ``--warmup-steps``), then ``--cycles`` x (base cycle,
 K-FAC cycle). Timings are rank 0's
-``time.perf_counter`` (with ``torch.cuda.synchronize()`` at every phase
-boundary on CUDA).
+``time.perf_counter`` (on CUDA, after synchronising the step's stream at every
+phase boundary: the device time of the step's own work, while ``async_decompositions``' side stream
+runs on).
 
 Phases of one optimizer step:
 
@@ -139,7 +142,7 @@ from time_to_target import apply_overrides, free_port, versions  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac import KFACConfig, KFACPreconditioner, Lamb, build_optimizer  # noqa: E402
-from ds_kfac.optimizers import split_groups  # noqa: E402
+from ds_kfac.optimizers import resolve_lamb, split_groups  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
 from ds_kfac.preconditioning.build import preconditioned_parameters  # noqa: E402
 from ds_kfac.timing import PHASES as KFAC_PHASES  # noqa: E402
@@ -186,6 +189,8 @@ BERT_MINI = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 
 BERT_DATA = {"seq": 64, "micro": 8, "vocab": 8192}  # the BERT example's default vocabulary
 BERT_DEMO_DATA = {"seq": 64, "micro": 32, "vocab": 1024}  # the CPU demo's (configs/bert_cpu_phase2_*.json)
 BERT_SMOKE_DATA = {"seq": 32, "micro": 8, "vocab": 512}
+BERT_BASE = json.loads((ROOT / "configs/bert/bert-base.json").read_text())  # 12 x 768
+BERT_BASE_DATA = {"seq": 128, "micro": 16, "vocab": 30522}  # BERT's WordPiece vocabulary, phase 1's sequence
 
 
 def build_bert(size: Optional[dict[str, int]], data: dict[str, int]) -> Callable[[bool], nn.Module]:
@@ -286,6 +291,13 @@ WORKLOADS = {
         bert_batch(BERT_DATA),
         bert_outputs,
     ),
+    "bert-base": Workload(  # BERT-base shapes for a GPU (--device cuda); LAMB as resolve_lamb picks it (FusedLamb)
+        "configs/bert_cpu_phase1_kfac.json",
+        build_bert(BERT_BASE, BERT_BASE_DATA),
+        lambda params: resolve_lamb(params, lr=1e-3),
+        bert_batch(BERT_BASE_DATA),
+        bert_outputs,
+    ),
     "bert-demo": Workload(  # the BERT demo's model, micro-batch and phase-2 base optimizer
         "configs/bert_cpu_phase2_kfac.json",
         build_bert(None, BERT_DEMO_DATA),
@@ -309,6 +321,8 @@ WORKLOADS = {
     ),
 }
 PLACEMENTS = ("comm-opt", "mem-opt")
+GPU_WORKLOADS = ("bert-base",)
+"""Too large for the CPU machine: left out of the default ``--workloads`` (benchmarks/gpu/ runs them)."""
 
 
 def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement: str) -> dict[str, Any]:
@@ -526,7 +540,8 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     workload = WORKLOADS[spec["workload"]]
     smoke, ga, world, section = spec["smoke"], spec["ga"], spec["world"], spec["kfac_config"]
     device = torch.device("cuda", rank % torch.cuda.device_count()) if spec["device"] == "cuda" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # The step's own stream only: async decompositions on their side stream run on across step boundaries.
+    sync = torch.cuda.current_stream(device).synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -892,7 +907,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="measure base and K-FAC steps by phase")
-    r.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    r.add_argument(
+        "--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(set(WORKLOADS) - set(GPU_WORKLOADS))
+    )
     r.add_argument("--worlds", nargs="+", type=int, choices=(1, 2), default=[1, 2])
     r.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
     r.add_argument("--ga", nargs="+", type=int, default=[1, 4, 8], help="micro-batches per optimizer step")

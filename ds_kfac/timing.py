@@ -4,8 +4,10 @@ Every phase runs inside ``torch.profiler.record_function("kfac/<phase>")``, so
 a ``torch.profiler`` trace shows K-FAC's phases by name. The seconds are host
 wall time (``time.perf_counter``). On a GPU, kernels run asynchronously, so
 host time mostly measures launches: set :attr:`PhaseTimer.synchronize` (the
-benchmarks do) to synchronise the device at both ends of each phase, which
-makes the times true at the cost of the synchronisations. It is off by
+benchmarks do) to synchronise the current stream at both ends of each phase, which
+makes the times true at the cost of the synchronisations. Only the current
+stream: a whole-device synchronisation would also wait for ``async_decompositions``'
+side stream and so time them as if they ran in the step. It is off by
 default, so training pays nothing for it.
 
 Phases, in the order a step runs them:
@@ -42,7 +44,7 @@ class PhaseTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.synchronize = False
-        """Synchronise the current CUDA device around each phase (true GPU times; off by default)."""
+        """Synchronise the current CUDA stream around each phase (true GPU times; off by default)."""
         self._nested: list[float] = []
         """Per phase in progress (outermost first), the seconds of the phases run inside it so far."""
 
@@ -51,14 +53,14 @@ class PhaseTimer:
         sync = self.synchronize and torch.cuda.is_available()
         with torch.profiler.record_function(f"kfac/{name}"):
             if sync:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             start = time.perf_counter()
             self._nested.append(0.0)
             try:
                 yield
             finally:
                 if sync:
-                    torch.cuda.synchronize()
+                    torch.cuda.current_stream().synchronize()
                 elapsed = time.perf_counter() - start
                 self.seconds[name] += elapsed - self._nested.pop()
                 if self._nested:
