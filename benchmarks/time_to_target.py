@@ -176,24 +176,30 @@ def table(name: str, metric: str, summary: dict[str, Any]) -> str:
     )
 
 
-def plot(path: Path, title: str, metric: str, runs: Sequence[dict[str, Any]], target: float) -> Path:
-    """Held-out metric against steps and against training seconds, every run, with the target line."""
+def plot(path: Path, title: str, metric: str, runs: Sequence[dict[str, Any]], target: Optional[float]) -> Path:
+    """Held-out metric against steps and against training seconds, every run, with the target line (if any).
+    Runs of one arm share a colour: the base arm blue, K-FAC red, other arms (peers) the rest of a palette."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"base": "tab:blue", "kfac": "tab:red"}
+    taken = {to_rgb(c) for c in colors.values()}
+    palette = iter(c for c in plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors if to_rgb(c) not in taken)
     labelled: set[str] = set()
     for run in runs:
         steps, seconds, values = zip(*run["curve"])
         label = None if run["arm"] in labelled else run["label"]
         labelled.add(run["arm"])
+        color = colors.setdefault(run["arm"], next(palette))
         for ax, x in zip(axes, (steps, seconds)):
-            ax.plot(x, values, "o-", ms=3, color=colors[run["arm"]], alpha=0.7, label=label)
+            ax.plot(x, values, "o-", ms=3, color=color, alpha=0.7, label=label)
     for ax, xlabel in zip(axes, ("optimizer step", "training wall time (s)")):
-        ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.4f}")
+        if target is not None:
+            ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.4f}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)

@@ -28,7 +28,10 @@ the sums all-reduced.
 The config may carry a ``"resnet"`` section (read here, not passed to
 DeepSpeed): ``steps`` or ``epochs``, the run's budget, so that a config whose
 learning-rate schedule is compressed (``WarmupDecayLR``'s ``total_num_steps``)
-also says how long it runs. ``--steps`` and ``--epochs`` override it.
+also says how long it runs. ``--steps`` and ``--epochs`` override it. A
+``"client_optimizer"`` section (``{"class": "pytorch_optimizer.SOAP", "params":
+{...}}``) replaces the ``"optimizer"`` section with any ``torch.optim.Optimizer``
+(:func:`ds_kfac.optimizers.build_client_optimizer`), passed to ``ds_kfac.initialize``.
 
 Every run writes ``<output-dir>/<run-name>/metrics.csv``: per step the
 training seconds (evaluation is not timed), loss and learning rate, and the
@@ -223,7 +226,13 @@ def main() -> None:
         raise ValueError(
             f"{args.deepspeed_config}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)"
         )
-    engine, _, _, _ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
+    client = config.pop(ds_kfac.optimizers.client.SECTION, None)
+    optimizer = (
+        None if client is None else ds_kfac.optimizers.build_client_optimizer(client, model.parameters(), args.seed)
+    )
+    engine, _, _, _ = ds_kfac.initialize(
+        model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     global_batch = micro * accum * world

@@ -1,0 +1,75 @@
+"""A client optimizer named in the JSON config, for optimizers DeepSpeed's ``"optimizer"`` section cannot name.
+
+The examples read a ``"client_optimizer"`` section, ``{"class": "package.module.Class", "params": {...}}``,
+build the optimizer here and pass it to ``ds_kfac.initialize(optimizer=...)``, so a peer such as SOAP or
+PSGD-Kron is rerun with the launcher from its config file alone. Optimizers that draw random numbers in their
+step (PSGD's probes) draw them from a generator seeded alike on every rank: under data parallelism each rank
+steps its own replica, and different draws would let the replicas drift apart with nothing reported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from typing import Any, Iterable
+
+import torch
+
+SECTION = "client_optimizer"
+"""The config section naming the client optimizer (read by the examples, never passed to DeepSpeed)."""
+STEP_KEY = "random_draw_step"
+"""The first param group's count of steps taken, from which each step's random draws are seeded."""
+
+
+def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class at the dotted ``path`` (``pytorch_optimizer.SOAP``), refused with the reason."""
+    module_name, _, name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{SECTION}.class must be a dotted path such as 'pytorch_optimizer.SOAP', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(f"{SECTION}.class {path!r}: cannot import {module_name!r} ({error})") from error
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"{SECTION}.class {path!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def build_client_optimizer(section: dict[str, Any], params: Iterable[Any], seed: int) -> torch.optim.Optimizer:
+    """The optimizer ``section`` names, over ``params``, drawing the same random numbers on every rank."""
+    unknown = set(section) - {"class", "params"}
+    if "class" not in section or unknown:
+        raise ValueError(f"{SECTION} takes 'class' and 'params' (got keys {sorted(section)})")
+    optimizer = optimizer_class(section["class"])(params, **section.get("params", {}))
+    same_random_on_every_rank(optimizer, seed)
+    return optimizer
+
+
+def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """Run each ``optimizer.step()`` with torch's, NumPy's and Python's generators seeded from ``(seed, step)``
+    and restored afterwards, so random draws inside the step agree across ranks and leave the caller's streams
+    (dropout, data order) as they were. The step count lives in the first param group (``STEP_KEY``), so it is
+    saved with the optimizer's state and a resumed run draws what the uninterrupted one would."""
+    saved: dict[str, Any] = {}
+    optimizer.param_groups[0].setdefault(STEP_KEY, 0)
+
+    def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        import numpy as np
+
+        saved.update(torch=torch.random.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+        step_seed = (seed * 1_000_003 + opt.param_groups[0][STEP_KEY]) % 2**31
+        torch.manual_seed(step_seed)
+        np.random.seed(step_seed)
+        random.seed(step_seed)
+
+    def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        import numpy as np
+
+        torch.random.set_rng_state(saved["torch"])
+        np.random.set_state(saved["numpy"])
+        random.setstate(saved["python"])
+        opt.param_groups[0][STEP_KEY] += 1
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)

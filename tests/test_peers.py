@@ -1,0 +1,117 @@
+"""benchmarks/peers.py's arithmetic on synthetic curves, and the client-optimizer section the peers run through."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_kfac.optimizers import build_client_optimizer
+from ds_kfac.optimizers.client import STEP_KEY
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+_spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks/peers.py")
+peers = importlib.util.module_from_spec(_spec)
+sys.modules["peers"] = peers
+_spec.loader.exec_module(peers)
+
+
+def test_one_time_seconds_is_the_first_steps_excess_over_the_median() -> None:
+    # Steps of 1.0 s, the first 5.0 s (a compile): 4.0 s one-time; a run without excess has none.
+    assert peers.one_time_seconds([5.0, 6.0, 7.0, 8.0, 9.5]) == pytest.approx(4.0)
+    assert peers.one_time_seconds([0.5, 1.5, 2.5]) == 0.0
+    assert peers.without_one_time([(10.0, 14.0, 3.0)], 4.0) == [(10.0, 10.0, 3.0)]
+
+
+def test_summary_times_to_every_arms_median_final_and_the_ratio_to_the_best_peer() -> None:
+    a = [[(50.0, 10.0, 4.0), (100.0, 20.0, 3.0)], [(50.0, 10.0, 4.2), (100.0, 22.0, 3.2)]]
+    b = [[(50.0, 15.0, 3.5), (100.0, 30.0, 2.5)], [(50.0, 15.0, 3.3), (100.0, 30.0, 2.3)]]
+    kfac = [[(50.0, 12.0, 3.0), (100.0, 24.0, 2.0)], [(50.0, 12.0, 3.6), (100.0, 24.0, 2.8)]]
+    s = peers.summarize({"a": a, "b": b, "kfac": kfac}, higher_is_better=False)
+    assert s["a"]["median_final"] == pytest.approx(3.1) and s["b"]["median_final"] == pytest.approx(2.4)
+    # An arm's time to its own median final is its full budget (median over seeds).
+    assert s["a"]["to"]["a"] == {"target": pytest.approx(3.1), "steps": 100.0, "seconds": 21.0, "reached": 2}
+    # K-FAC to b's 2.4: seed 0 crosses between 3.0 (50) and 2.0 (100) at 60% (step 80, 19.2 s); seed 1 ends at
+    # 2.8 and never reaches it, so the median over the two seeds is infinitely late.
+    assert s["kfac"]["to"]["b"]["steps"] is None and s["kfac"]["to"]["b"]["reached"] == 1
+    # K-FAC to a's 3.1: seed 0 at its first evaluation? 3.0 <= 3.1 at step 50 (12 s); seed 1 between 3.6 and 2.8
+    # at 62.5% (step 81.25, 19.5 s); median 65.625 steps, 15.75 s.
+    assert s["kfac"]["to"]["a"]["steps"] == pytest.approx(65.625) and s["kfac"]["to"]["a"]["seconds"] == pytest.approx(
+        15.75
+    )
+    assert peers.best_peer(s, higher_is_better=False) == "b"
+    assert peers.best_peer(s, higher_is_better=True) == "a"
+    assert peers.ratios(s, "kfac", "a") == {"steps": pytest.approx(0.65625), "seconds": pytest.approx(0.75)}
+    assert peers.ratios(s, "kfac", "b") == {"steps": None, "seconds": None}
+    assert s["kfac"]["seconds_per_step"] == pytest.approx(0.24)
+
+
+def test_grid_points_are_the_product_of_the_axes_and_sets_are_checked() -> None:
+    points = peers.grid_points(["o.lr=0.1,0.2", "o.m=0.9"])
+    assert points == [["o.lr=0.1", "o.m=0.9"], ["o.lr=0.2", "o.m=0.9"]]
+    with pytest.raises(ValueError, match="KEY=V1,V2"):
+        peers.grid_points(["o.lr"])
+    assert peers.parse_sets(["muon:optimizer.params.muon_lr=0.04"], ["muon", "kfac"]) == {
+        "muon": ["optimizer.params.muon_lr=0.04"],
+        "kfac": [],
+    }
+    with pytest.raises(ValueError, match="ARM:KEY=JSON"):
+        peers.parse_sets(["soap:x=1"], ["muon"])
+
+
+def test_every_peer_config_names_a_buildable_optimizer() -> None:
+    """Each committed arm's JSON parses, and a client optimizer it names is built over a small model."""
+    for task, arms in peers.ARMS.items():
+        for arm, path in arms.items():
+            config = json.loads((ROOT / path).read_text())
+            assert ("optimizer" in config) != ("client_optimizer" in config), f"{task} {arm}: one optimizer section"
+            if "client_optimizer" in config:
+                build_client_optimizer(config["client_optimizer"], torch.nn.Linear(3, 2).parameters(), seed=0)
+
+
+class _Noisy(torch.optim.Optimizer):
+    """Adds a torch and a NumPy draw to each parameter: what PSGD's probes do inside its step."""
+
+    def __init__(self, params, lr: float = 1.0) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(torch.randn_like(p) + float(np.random.random()), alpha=group["lr"])
+
+
+def test_client_optimizer_draws_alike_on_every_rank_and_leaves_the_callers_streams() -> None:
+    spec = {"class": f"{__name__}._Noisy", "params": {"lr": 0.5}}
+    replicas = []
+    for rank in range(2):
+        torch.manual_seed(rank)  # the ranks' own streams differ (dropout is seeded per rank)
+        np.random.seed(rank)
+        weight = torch.nn.Parameter(torch.zeros(4))
+        optimizer = build_client_optimizer(spec, [weight], seed=7)
+        expected_next = torch.rand(1, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            optimizer.step()
+        assert torch.equal(torch.rand(1), expected_next)  # the caller's stream is where it was
+        replicas.append((weight.detach().clone(), optimizer.state_dict()["param_groups"][0][STEP_KEY]))
+    assert torch.equal(replicas[0][0], replicas[1][0]) and replicas[0][0].abs().sum() > 0
+    assert replicas[0][1] == replicas[1][1] == 3  # saved with the optimizer's state, so a resume draws on
+
+
+def test_client_optimizer_section_errors_name_the_problem() -> None:
+    params = torch.nn.Linear(2, 2).parameters()
+    with pytest.raises(ValueError, match="dotted path"):
+        build_client_optimizer({"class": "SOAP"}, params, seed=0)
+    with pytest.raises(ImportError, match="no_such_package"):
+        build_client_optimizer({"class": "no_such_package.Opt"}, params, seed=0)
+    with pytest.raises(ValueError, match="not a torch.optim.Optimizer"):
+        build_client_optimizer({"class": "torch.nn.Linear"}, params, seed=0)
+    with pytest.raises(ValueError, match="'class' and 'params'"):
+        build_client_optimizer({"class": "torch.optim.SGD", "lr": 0.1}, params, seed=0)
