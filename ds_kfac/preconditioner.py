@@ -49,9 +49,18 @@ from .curvature import AdaptiveRefresh, StackedStates
 from .curvature.moments import MomentRule
 from .health import Health
 from .layers import SkippedLayer
-from .placement import Distributor, GradientLayout, KLClip, WholeGradients, blocks_of, gather_work, write_work
+from .placement import (
+    Distributor,
+    GradientLayout,
+    KLClip,
+    WholeGradients,
+    all_finite_fragments,
+    blocks_of,
+    gather_work,
+    write_work,
+)
 from .preconditioning import DecompositionSchedule, Reporting, SampledFisher, checked_config, register_layers
-from .preconditioning.build import moment_rule, refuse_unflagged
+from .preconditioning.build import carried_scale, moment_rule, refuse_unflagged
 from .state import Snapshot, TrainingState
 from .timing import PhaseTimer
 
@@ -146,6 +155,8 @@ class KFACPreconditioner(SampledFisher, Reporting):
         self.model_parallel_group = registered.model_parallel_group
         self.layout = registered.layout or WholeGradients()
         """Where the reduced gradients lie (built once; it alone knows partitions and holders)."""
+        if layout is None and loss_scale is not None:  # standalone: the scale the gradients still carry at step()
+            self.layout.grad_scale = carried_scale(loss_scale, optimizer)
         holders = self.layout.block_holders(self.blocks)
         self.distributor = Distributor(self.blocks, self.config, process_group, bucket_bytes, holders)
         factor_keys = [(b.name, side) for b in self.blocks for side in b.sides]
@@ -156,6 +167,9 @@ class KFACPreconditioner(SampledFisher, Reporting):
         self.health = Health(self.state, kl_clip=self.config.kl_clip is not None, factor_dtype=self.config.factor_dtype)
         self.preconditioned: tuple[str, ...] = ()
         """Layers this rank preconditioned with a decomposition in the last :meth:`precondition_gradients`."""
+        self.finite_gradients = True
+        """With ``eigenbasis_moments``, whether the gradients of the last :meth:`precondition_gradients` were finite
+        (not: they were left as they were and no moment changed; :meth:`step` then undoes the step)."""
         self.timer = PhaseTimer()
         self._stacks = StackedStates()
         self.schedule = DecompositionSchedule(
@@ -209,8 +223,12 @@ class KFACPreconditioner(SampledFisher, Reporting):
     def step(self) -> None:
         """Update curvature as scheduled and precondition every registered layer's gradient in place
         (where :attr:`layout` says the reduced gradients lie)."""
+        snap = self.snapshot()
         if self.precondition_gradients():
-            self.finish_step()
+            if self.finite_gradients:
+                self.finish_step()
+            else:  # a step the base optimizer's GradScaler skips: undone, as DeepSpeed's skipped steps are
+                self.restore(snap)
 
     @torch.no_grad()
     def precondition_gradients(self) -> bool:
@@ -229,6 +247,7 @@ class KFACPreconditioner(SampledFisher, Reporting):
         mine = [w for w in work if w.grad_worker]
         blocks = blocks_of(mine)
         self.preconditioned = tuple(b.name for b in blocks if b.decomposition is not None)
+        self.finite_gradients = self.moment_rule is None or all_finite_fragments(work)
         if self._stacks.stale(blocks):
             with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
                 self._stacks.prepare(blocks)
@@ -239,9 +258,13 @@ class KFACPreconditioner(SampledFisher, Reporting):
             scale = self.layout.grad_scale() if self.moment_rule is not None else 1.0
             if scale != 1.0:  # the moments see unscaled gradients; the direction is written with the scale
                 grads = [g / scale for g in grads]
-            results = self._stacks.precondition(blocks, grads, damping, graft, self.moment_rule)  # 5: precondition
-            for w, result in zip(mine, results):
-                w.result = result if scale == 1.0 else result.mul_(scale)
+            if self.finite_gradients:
+                results = self._stacks.precondition(blocks, grads, damping, graft, self.moment_rule)  # 5: precondition
+                for w, result in zip(mine, results):
+                    w.result = result if scale == 1.0 else result.mul_(scale)
+            else:  # the moments stay as they were; the gradients stay non-finite, so the step is skipped
+                for w in mine:
+                    w.result = w.grad
             if self.config.kl_clip is not None:  # 6: clip
                 lr = resolve(self.lr, s) if self.lr is not None else self.optimizer.param_groups[0]["lr"]
                 self.state.scalars.last_nu = self.kl_clip.clip(work, self.config.at("kl_clip", s), lr)

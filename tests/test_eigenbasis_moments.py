@@ -167,6 +167,77 @@ def test_identity_basis_is_the_base_optimizer(kind: str, where: str) -> None:
     assert not torch.equal(next(model.parameters()), next(_two_layers().parameters()))
 
 
+SCALE, CLIP_NORM = 2.0**10, 0.05
+LOOPS = ["plain", "unscale_clip"]
+
+
+def _scaler_run(loop: str, scaled: bool, inf_step: int = -1, skip_step: int = -1) -> tuple[nn.Module, KFACPreconditioner]:
+    """Six float64 AdamW steps with the key, a refresh every 2, standalone as docs/standalone.md shows it: with a
+    ``torch.amp.GradScaler`` (``scaled``; ``scaler.step`` unscales, or ``loop="unscale_clip"``: ``unscale_`` and
+    ``clip_grad_norm_`` before ``kfac.step()``) or without one (the gradients clipped the same way). ``inf_step``:
+    an infinite loss there; ``skip_step``: that step's batch left out."""
+    model = _two_layers()
+    opt = _optimizer("adamw", model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE) if scaled else None
+    loss_scale = scaler.get_scale if scaler is not None else None
+    kfac = KFACPreconditioner(model, optimizer=opt, loss_scale=loss_scale, eigenbasis_moments=True, **FLOAT64)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)  # noqa: E731
+    for step in range(6):
+        if step == skip_step:
+            continue
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y) * (float("inf") if step == inf_step else 1.0)
+        if scaler is None:
+            loss.backward()
+            if loop == "unscale_clip":
+                clip()
+            kfac.step()
+            opt.step()
+            continue
+        scaler.scale(loss).backward()
+        if loop == "unscale_clip":
+            scaler.unscale_(opt)
+            clip()
+        kfac.step()
+        scaler.step(opt)
+        scaler.update()
+    kfac.scaler = scaler
+    return model, kfac
+
+
+def _relative(got: nn.Module, want: nn.Module) -> float:
+    a, b = (torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in (got, want))
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_grad_scaler_gives_the_unscaled_update(loop: str) -> None:
+    """Standalone with ``loss_scale=scaler.get_scale``: the moments see unscaled gradients and the update equals the
+    run without a scaler (whose rule the float64 tests above pin), whether ``scaler.step`` unscales K-FAC's directions
+    or ``unscale_`` ran before ``kfac.step()`` (was 1/scale of it: the moments saw scaled gradients)."""
+    unscaled, _ = _scaler_run(loop, scaled=False)
+    scaled, _ = _scaler_run(loop, scaled=True)
+    assert _relative(scaled, unscaled) <= 1e-6
+    assert _relative(unscaled, _two_layers()) > 1e-2  # the runs moved
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_non_finite_step_leaves_the_moments_and_training_goes_on(loop: str) -> None:
+    """An infinite loss at step 2 under the GradScaler: the step is skipped (the scale halves once) and K-FAC's state,
+    moments included, is as if its batch had been left out; the run goes on to equal that run (was: NaN moments,
+    then NaN parameters, or every later step skipped)."""
+    with pytest.warns(RuntimeWarning, match="non-finite factor updates"):
+        model, kfac = _scaler_run(loop, scaled=True, inf_step=2)
+    expected, reference = _scaler_run(loop, scaled=False, skip_step=2)
+    assert kfac.scaler.get_scale() == SCALE / 2 and kfac.steps == reference.steps == 5
+    assert _relative(model, expected) <= 1e-9
+    for got, want in zip(kfac.blocks, reference.blocks):
+        assert got.moments.steps == want.moments.steps == 5
+        for a, b in zip(got.moments.value, want.moments.value):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-15)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
 def test_adam_is_torch_adam(decoupled: bool, dtype: torch.dtype) -> None:

@@ -7,7 +7,7 @@ from .kl_clip import KLClip
 from .plan import LayerPlacement, LayerShape, PlacementPlan, UnitShape, lpt, workers_per_layer
 from .roles import Roles
 from .tensor_parallel import TensorParallelGradients, TensorParallelLayers, split_tensor_parallel
-from .work import LayerWork, blocks_of, gather_work, write_work
+from .work import LayerWork, all_finite_fragments, blocks_of, gather_work, write_work
 
 __all__ = [
     "Distributor",
@@ -24,6 +24,7 @@ __all__ = [
     "TensorParallelGradients",
     "TensorParallelLayers",
     "WholeGradients",
+    "all_finite_fragments",
     "blocks_of",
     "gather_work",
     "lpt",

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..curvature import CurvatureBlock
+from ..curvature.numerics import finite_flags
 from .gradients import Fragment, GradientLayout
 from .roles import Roles
 
@@ -47,3 +48,9 @@ def blocks_of(work: Sequence[LayerWork]) -> list[CurvatureBlock]:
 def write_work(layout: GradientLayout, work: Sequence[LayerWork]) -> None:
     """Write every layer's result into the fragments this rank holds."""
     layout.write(blocks_of(work), [w.fragments for w in work], [w.result for w in work])
+
+
+def all_finite_fragments(work: Sequence[LayerWork]) -> bool:
+    """Whether every fragment of the layers' gradients this rank holds is finite (one host sync for all of them).
+    Where the gradients are replicated (standalone, DDP) every rank answers the same."""
+    return all(finite_flags([f.flat() for w in work for f in w.fragments if f is not None]))

@@ -8,8 +8,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 from torch.distributed import ProcessGroup
 
+from ..collection import LossScale
 from ..comm import data_parallel_world
 from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock, KFACBlock, UnitWiseBlock, UnitWiseInverse, method_for
@@ -85,6 +87,23 @@ def preconditioned_parameters(model: nn.Module, config: KFACConfig) -> list[nn.P
     """The parameters of the layers ``config`` registers in ``model`` (weights and biases), in registration order,
     known before any preconditioner is built: those whose optimizer groups ``eigenbasis_moments`` flags."""
     return [p for _, adapter in _find_layers(model, config, warn=False)[0] for p in adapter.params()]
+
+
+def carried_scale(loss_scale: LossScale, optimizer: Optional[torch.optim.Optimizer]) -> Callable[[], float]:
+    """The scale a standalone loop's gradients carry at ``kfac.step()``, which the moments of ``eigenbasis_moments``
+    and the KL clip take out: ``loss_scale``'s value, except for a ``torch.amp.GradScaler``'s ``get_scale`` whose
+    ``unscale_(optimizer)`` already ran this step (1 then; the scaler would otherwise unscale K-FAC's directions in
+    its ``step``). Reads the scaler's per-optimizer stage, a private attribute (docs/maintainers.md)."""
+    scaler = getattr(loss_scale, "__self__", None)
+    if not isinstance(scaler, torch.amp.GradScaler) or optimizer is None:
+        return lambda: float(loss_scale())
+
+    def scale() -> float:
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        unscaled = state is not None and state["stage"] is not OptState.READY
+        return 1.0 if unscaled else float(loss_scale())
+
+    return scale
 
 
 def moment_rule(
