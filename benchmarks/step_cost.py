@@ -903,7 +903,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``run``, ``table``, ``worker``); benchmarks/gpu/run.py checks its invocations against it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="measure base and K-FAC steps by phase")
@@ -941,7 +942,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     w = sub.add_parser("worker", help=argparse.SUPPRESS)
     w.add_argument("--spec", type=Path, required=True)
     w.add_argument("--rank", type=int, required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.command == "run":
         run(args)
     elif args.command == "table":

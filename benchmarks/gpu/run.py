@@ -1,0 +1,496 @@
+"""The GPU bundle (issue 38): the checks a lent GPU runs, one command each, each writing ``<out>/<check>.json``.
+
+    python benchmarks/gpu/run.py --check tests      # the CUDA-only tests (fp16 engines, conventions on the device)
+    python benchmarks/gpu/run.py --check fp16       # fp16 ZeRO 1/2, dynamic loss scale: G, overflow, no NaN
+    python benchmarks/gpu/run.py --check lamb       # JSON Lamb resolves to FusedLamb with K-FAC on, = ds_kfac.Lamb
+    python benchmarks/gpu/run.py --check step-cost  # step_cost.py at BERT-base shapes, GA 1/8/32, eigenbasis, async
+    python benchmarks/gpu/run.py --check bert --peer-config configs/x.json  # BERT-small time to target
+    ... --device cpu --tiny                         # the same at toy sizes on the CPU (fp16 becomes bf16 there)
+
+``--out`` defaults to ``$OUT`` (the device tool's folder) or ``runs/gpu``. Every JSON holds ``check``,
+``command``, ``device``, ``tiny``, ``environment`` (Python, torch, CUDA, cuDNN, driver, GPU, DeepSpeed,
+transformers, ds_kfac's commit), ``seconds``, ``passed`` and the check's own results. ``run_all.sh`` runs them
+in the order and time budget of two device calls; README.md beside this file says how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "tests" / "workers")]
+import launch  # noqa: E402  (tests/launch.py)
+import step_cost  # noqa: E402
+import time_to_target as ttt  # noqa: E402
+
+Result = dict[str, Any]
+KFAC = {"damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
+"""The K-FAC section of the engine checks (fp16, lamb): every step a factor step, decompositions every 2."""
+
+
+# ---------------------------------------------------------------- environment
+def environment() -> dict[str, Any]:
+    """What a result was measured with: software versions, the GPU and its driver, ds_kfac's commit."""
+    import deepspeed
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    smi = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        if cuda
+        else None
+    )
+    return {
+        **ttt.versions(),
+        "ds_kfac_commit": os.environ.get("DS_KFAC_COMMIT") or ttt.versions()["ds_kfac_commit"] or "unknown",
+        "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpus": torch.cuda.device_count(),
+        "nvidia_smi": smi.stdout.strip() if smi is not None else None,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested dict/list, by its dotted path (a K-FAC state's layers: A, G, moments...)."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, sub in items for k, v in tensors(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+# ---------------------------------------------------------------- a. the tests that need CUDA
+TESTS = ["tests/test_deepspeed.py::test_fp16_dynamic_loss_scale_on_gpu", "tests/test_conventions_cuda.py"]
+
+
+def check_tests(args: argparse.Namespace) -> Result:
+    """pytest on :data:`TESTS` (on the CPU, the conventions run there and the fp16 engines skip); a JUnit summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *TESTS]
+        env = {**os.environ, "DS_KFAC_TEST_DEVICE": args.device}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        cases = [
+            {
+                "name": f"{case.get('classname')}::{case.get('name')}",
+                "seconds": float(case.get("time", 0.0)),
+                "outcome": next(
+                    (child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed"
+                ),
+                "message": next((child.get("message", "")[:2000] for child in case), ""),
+            }
+            for case in ET.parse(xml).getroot().iter("testcase")
+        ]
+    counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failure", "error", "skipped")}
+    return {
+        "passed": proc.returncode == 0,
+        "pytest": shlex.join(cmd),
+        "counts": counts,
+        "cases": cases,
+        "output_tail": proc.stdout[-3000:],
+    }
+
+
+# ---------------------------------------------------------------- b. fp16 with a dynamic loss scale
+ADAMW = {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
+EIGENBASIS = {"eigenbasis_moments": True, "factor_update_steps": 1, "inv_update_steps": 2}
+STEPS = 5
+LOW_TOLERANCE = {"fp16": 1e-2, "bf16": 5e-2}
+"""Relative error allowed for the low-precision run's factors against the fp32 run's (11 and 8 mantissa bits)."""
+
+
+def precision(device: str) -> str:
+    """fp16 on CUDA; bf16 on the CPU, where DeepSpeed refuses fp16 (the dry run's stand-in)."""
+    return "fp16" if device == "cuda" else "bf16"
+
+
+def fp16_scenarios(device: str, tiny: bool) -> dict[str, dict[str, Any]]:
+    """Per ZeRO stage (1 and 2; 1 only when tiny): fp32 and low precision (dynamic loss scale from 2^12 in fp16); an
+    overflow (a NaN loss) at the last step and the same run stopped before it, with plain K-FAC and with the
+    eigenbasis moments under AdamW; and an overflow mid-run against the run that leaves that step out."""
+    low = {"fp16": {"enabled": True, "initial_scale_power": 12}} if device == "cuda" else {"bf16": {"enabled": True}}
+    out = {}
+    for stage in (1,) if tiny else (1, 2):
+        zero = {"zero_optimization": {"stage": stage}}
+        mixed = {**zero, **low}
+        out |= {
+            f"fp32_s{stage}": {"ds": zero, "kfac": KFAC, "steps": STEPS},
+            f"low_s{stage}": {"ds": mixed, "kfac": KFAC, "steps": STEPS},
+            f"overflow_last_s{stage}": {"ds": mixed, "kfac": KFAC, "steps": 3, "nan_step": 2},
+            f"before_overflow_s{stage}": {"ds": mixed, "kfac": KFAC, "steps": 2},
+            f"eig_overflow_last_s{stage}": {
+                "ds": {**mixed, "optimizer": ADAMW},
+                "kfac": EIGENBASIS,
+                "steps": 3,
+                "nan_step": 2,
+            },
+            f"eig_before_overflow_s{stage}": {"ds": {**mixed, "optimizer": ADAMW}, "kfac": EIGENBASIS, "steps": 2},
+            f"overflow_s{stage}": {"ds": mixed, "kfac": KFAC, "steps": STEPS, "nan_step": 2},
+            f"skipped_s{stage}": {"ds": mixed, "kfac": KFAC, "steps": STEPS, "skip_steps": [2]},
+        }
+    return out
+
+
+def fp16_verdict(runs: dict[str, list[dict[str, Any]]], low: str) -> Result:
+    """Rank 0's results of :func:`fp16_scenarios` judged: ``G`` and ``A`` within :data:`LOW_TOLERANCE` of fp32's,
+    the parameters within the fp16 test's tolerance; an overflowed step leaves factors, moments and parameters
+    bitwise as they were, is counted as skipped, and no NaN reaches the parameters."""
+    stages = sorted({int(name.rsplit("_s", 1)[1]) for name in runs})
+    report: Result = {"precision": low, "stages": {}}
+    for stage in stages:
+        get = {name.rsplit("_s", 1)[0]: result[0] for name, result in runs.items() if name.endswith(f"_s{stage}")}
+        fp32, mixed = get["fp32"], get["low"]
+        factors = {
+            f"{layer}.{key}": relative_error(mixed["kfac"]["layers"][layer][key], entry[key])
+            for layer, entry in fp32["kfac"]["layers"].items()
+            for key in ("A", "G")
+        }
+        params = max(relative_error(a, b) for a, b in zip(mixed["params"], fp32["params"]))
+        untouched = {}
+        for prefix in ("", "eig_"):
+            over, before = get[f"{prefix}overflow_last"], get[f"{prefix}before_overflow"]
+            state, expected = tensors(over["kfac"]["layers"]), tensors(before["kfac"]["layers"])
+            untouched[prefix or "plain"] = {
+                "skipped_steps": over["skipped_steps"],
+                "kfac_steps": [over["kfac"]["steps"], before["kfac"]["steps"]],
+                "state_keys": sorted({k.split(".", 1)[1] for k in expected}),
+                "state_equal": state.keys() == expected.keys()
+                and all(torch.equal(state[k], expected[k]) for k in state),
+                "params_equal": all(torch.equal(a, b) for a, b in zip(over["params"], before["params"])),
+            }
+        mid, skipped = get["overflow"], get["skipped"]
+        finite = all(bool(torch.isfinite(p).all()) for p in mid["params"])
+        after = max(relative_error(a, b) for a, b in zip(mid["params"], skipped["params"]))
+        checks = {
+            "factors_close": max(factors.values()) < LOW_TOLERANCE[low],
+            "params_close": params < LOW_TOLERANCE[low],
+            "overflow_untouched": all(
+                u["state_equal"] and u["params_equal"] and u["skipped_steps"] == 1 and len(set(u["kfac_steps"])) == 1
+                for u in untouched.values()
+            ),
+            "moments_checked": any(key.startswith("moments") for key in untouched["eig_"]["state_keys"]),
+            "no_nan_after_overflow": finite and mid["kfac"]["steps"] == STEPS - 1,
+            "overflow_then_as_skipped": after < LOW_TOLERANCE[low],
+        }
+        report["stages"][str(stage)] = {
+            "checks": checks,
+            "factor_relative_error": factors,
+            "param_relative_error_vs_fp32": params,
+            "overflow_last_step": untouched,
+            "param_relative_error_overflow_vs_skipped": after,
+        }
+    report["passed"] = all(all(s["checks"].values()) for s in report["stages"].values())
+    return report
+
+
+def check_fp16(args: argparse.Namespace) -> Result:
+    """:func:`fp16_scenarios` in one ``deepspeed`` launch (``tests/workers/ds_worker.py``) on one GPU per rank, up
+    to 2 (one on the CPU), judged by :func:`fp16_verdict`."""
+    world = min(2, torch.cuda.device_count()) if args.device == "cuda" else 1
+    scenarios = fp16_scenarios(args.device, args.tiny)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = launch.deepspeed_run(world, Path(tmp), list(scenarios.values()), timeout=args.timeout)
+    report = fp16_verdict(dict(zip(scenarios, results)), precision(args.device))
+    note = None if args.device == "cuda" else "DeepSpeed refuses fp16 on the CPU: bf16 stands in, no dynamic scale"
+    return {**report, "world": world, "note": note}
+
+
+# ---------------------------------------------------------------- c. Lamb -> FusedLamb with K-FAC on
+LAMB = {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01}
+LAMB_STEPS = 3
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def lamb_engines(device: str) -> Result:
+    """Two one-rank K-FAC engines from the same weights on the same batches: the JSON ``"Lamb"`` (which
+    ``resolve_lamb`` turns into DeepSpeed's ``FusedLamb`` on CUDA) and a client ``ds_kfac.Lamb``; after each step the
+    largest parameter difference. Needs the launcher's environment (one rank) and ends nothing."""
+    import problem
+
+    import ds_kfac
+
+    ds_kfac.init_distributed()
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "kfac": KFAC,
+    }
+    fused_model, torch_model = problem.make_model(), problem.make_model()
+    fused, *_ = ds_kfac.initialize(
+        model=fused_model,
+        model_parameters=fused_model.parameters(),
+        config={**config, "optimizer": {"type": "Lamb", "params": LAMB}},
+    )
+    reference = ds_kfac.Lamb(torch_model.parameters(), **{**LAMB, "betas": tuple(LAMB["betas"])})
+    plain, *_ = ds_kfac.initialize(model=torch_model, optimizer=reference, config=config)
+    differences = []
+    for step in range(LAMB_STEPS):
+        x, y = problem.global_batch(step, 8)
+        for engine in (fused, plain):
+            engine.backward(problem.loss_fn(engine(x.to(engine.device)), y.to(engine.device)))
+            engine.step()
+        pairs = list(zip(fused.module.parameters(), plain.module.parameters()))
+        differences.append(max(float((a - b).detach().abs().max()) for a, b in pairs))
+        for a, b in pairs:
+            torch.testing.assert_close(a, b, **FP32_TOL)
+    resolved = type(fused.basic_optimizer).__name__
+    expected = "FusedLamb" if device == "cuda" else "Lamb"
+    return {
+        "passed": resolved == expected,
+        "resolved": resolved,
+        "expected": expected,
+        "kfac_on": fused.kfac is not None,
+        "max_abs_difference_per_step": differences,
+        "tolerance": FP32_TOL,
+    }
+
+
+def check_lamb(args: argparse.Namespace) -> Result:
+    """:func:`lamb_engines` in this process, as one rank (an assertion failure is a failed check)."""
+    for key, value in launch.one_rank_env().items():
+        os.environ.setdefault(key, value)
+    try:
+        return lamb_engines(args.device)
+    except AssertionError as error:
+        return {"passed": False, "error": str(error)[:3000]}
+
+
+# ---------------------------------------------------------------- d. step cost at BERT-base shapes
+def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[str]]:
+    """The ``step_cost.py run`` invocations, by name: BERT-base on one GPU, LAMB as ``resolve_lamb`` picks it
+    (FusedLamb), the BERT demo's cadence (factors every 5 steps, the last micro-batch's; decompositions every 25),
+    GA 1 and 8 with plain K-FAC, GA 8 with async decompositions and with the eigenbasis key, GA 32 on one cycle (in
+    that order: the most wanted first). Tiny: the smoke sizes (BERT-tiny, cadence 2/4) at GA 1, one cycle."""
+    common = ["run", "--workloads", "bert-base", "--worlds", "1", "--device", device, "--timeout", str(timeout)]
+    plain = ["--set", "eigenbasis_moments=false"]
+    if tiny:
+        return {"smoke": [*common, "--smoke", "--ga", "1", "--cycles", "1", *plain]}
+    cadence = ["--set", "factor_update_steps=5", "--set", "inv_update_steps=25"]
+    return {
+        "plain_ga1_ga8": [*common, *cadence, *plain, "--ga", "1", "8", "--cycles", "2"],
+        "async_ga8": [*common, *cadence, *plain, "--set", "async_decompositions=true", "--ga", "8", "--cycles", "2"],
+        "eigenbasis_ga8": [*common, *cadence, "--ga", "8", "--cycles", "2"],
+        "plain_ga32": [*common, *cadence, *plain, "--ga", "32", "--cycles", "1", "--warmup-steps", "5"],
+    }
+
+
+def check_step_cost(args: argparse.Namespace) -> Result:
+    """Each of :func:`step_cost_runs` in turn (one failing or timing out does not stop the rest; none starts once
+    ``--budget`` seconds have passed); their JSONs
+    merged into this check's, with the table and the targets (K-FAC step <= 1.10x at GA 8; slowest step <= 1.2x
+    the median with async decompositions)."""
+    runs: Result = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, argv in step_cost_runs(args.device, args.tiny, args.timeout).items():
+            if args.budget is not None and time.perf_counter() - start > args.budget:
+                runs[name] = {"error": f"not started: the check's budget of {args.budget:.0f}s was spent"}
+                continue
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, str(ROOT / "benchmarks/step_cost.py"), *argv, "--out", str(out)]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            runs[name] = (
+                json.loads(out.read_text())
+                if proc.returncode == 0
+                else {"error": f"exit {proc.returncode}", "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+            )
+            print(f"step cost {name}: {'done' if proc.returncode == 0 else runs[name]['error']}", flush=True)
+    done = [r for r in runs.values() if "error" not in r]
+    targets = {}
+    for name, result in runs.items():
+        for c in result.get("configurations", []):
+            kfac = c["arms"]["kfac"]
+            targets[f"{name} GA{c['ga']}"] = {
+                "ratio": c["ratio"]["mean"],
+                "slowest_over_median": kfac["slowest_ms"] / kfac["median_ms"],
+                "meets": c["ratio"]["mean"] <= 1.10 if c["ga"] == 8 and "eigenbasis" not in name else None,
+                "meets_slowest": kfac["slowest_ms"] / kfac["median_ms"] <= 1.2 if name.startswith("async") else None,
+            }
+    return {
+        "passed": len(done) == len(runs),
+        "runs": runs,
+        "table": step_cost.table(done) if done else None,
+        "targets": targets,
+    }
+
+
+# ---------------------------------------------------------------- e. BERT time to target
+BERT_SMALL = "benchmarks/gpu/bert-small.json"
+ARM_CONFIGS = {"base": "configs/bert_cpu_phase2_base.json", "kfac": "configs/bert_cpu_phase2_kfac.json"}
+PHASE1_CONFIG = "configs/bert_cpu_phase1_lamb.json"
+
+
+def bert_overrides(tiny: bool, phase: int, steps: int) -> list[str]:
+    """The CPU demo's configs resized: BERT-small (4 x 512), sequence 128, a 8,192-token vocabulary, global batch
+    256 on one GPU (64 x 4); tiny: BERT-tiny at sequence 64, micro-batch 8, no accumulation."""
+    if tiny:
+        size = {
+            "bert.model": '"configs/bert/bert-tiny.json"',
+            "bert.max_seq_length": 64,
+            "bert.vocab_size": 1024,
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 1,
+            "bert.eval_every": 2,
+        }
+    else:
+        size = {
+            "bert.model": f'"{BERT_SMALL}"',
+            "bert.max_seq_length": 128,
+            "bert.vocab_size": 8192,
+            "train_micro_batch_size_per_gpu": 64,
+            "gradient_accumulation_steps": 4 if phase == 2 else 1,
+            "bert.eval_every": 25 if phase == 2 else max(steps // 4, 1),
+        }
+    return [f"{key}={value}" for key, value in {**size, "bert.max_steps": steps}.items()]
+
+
+def bert_plan(args: argparse.Namespace, out: Path) -> Result:
+    """The configs and ``deepspeed`` commands of the BERT check, written under ``out`` (nothing run): phase 1 (LAMB
+    from scratch), then every arm's phase 2 from its checkpoint: AdamW, ds_kfac's config, each ``--peer-config``.
+    One rank (``--num_gpus 1``; ``time_to_target.launch`` always launches 2)."""
+    extra = ["--cache-dir", str(out / "cache"), "--eval-batches", "1" if args.tiny else "16"]
+    if args.tiny:
+        extra += ["--corpus", "stdlib"]
+    configs: dict[str, Path] = {}
+    commands: dict[str, list[str]] = {}
+    arms = {"phase1": PHASE1_CONFIG, **ARM_CONFIGS, **{Path(p).stem: p for p in args.peer_config}}
+    for name, source in arms.items():
+        phase = 1 if name == "phase1" else 2
+        steps = args.phase1_steps if phase == 1 else args.phase2_steps
+        config = ttt.apply_overrides(json.loads((ROOT / source).read_text()), bert_overrides(args.tiny, phase, steps))
+        configs[name] = out / "configs" / f"{name}.json"
+        configs[name].parent.mkdir(parents=True, exist_ok=True)
+        configs[name].write_text(json.dumps(config, indent=1))
+        init = [] if phase == 1 else ["--init-checkpoint", str(out / "phase1")]
+        commands[name] = [
+            str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "1", "--master_port", "PORT",
+            str(ROOT / "examples/bert/pretrain.py"), "--deepspeed_config", str(configs[name]), "--seed", "0",
+            "--output-dir", str(out), "--run-name", name, *extra, *init,
+        ]  # fmt: skip
+    return {"configs": {k: str(v) for k, v in configs.items()}, "commands": commands, "sources": arms}
+
+
+def check_bert(args: argparse.Namespace) -> Result:
+    """:func:`bert_plan` run in order (phase 1 first; a failed arm is recorded and the rest run), then each phase-2
+    arm's time to AdamW's final held-out MLM loss (``time_to_target.summarize``)."""
+    from ds_kfac.integration.cleanup import run_launcher
+
+    out = Path(tempfile.mkdtemp(prefix="gpu_bert_"))
+    plan = bert_plan(args, out)
+    status: dict[str, Any] = {}
+    for name, cmd in plan["commands"].items():
+        if name != "phase1" and status.get("phase1") != 0:
+            break
+        port = str(ttt.free_port())
+        start = time.perf_counter()
+        with (out / f"{name}.log").open("w") as log:
+            code = run_launcher([port if c == "PORT" else c for c in cmd], port, args.timeout, cwd=ROOT, output=log,
+                                env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
+        status[name] = code
+        print(f"bert {name}: exit {code} after {time.perf_counter() - start:.0f}s", flush=True)
+    curves = {
+        name: ttt.read_curve(out / name / "metrics.csv", "held_out_mlm_loss")
+        for name, code in status.items()
+        if code == 0
+    }
+    summaries = {
+        name: ttt.summarize([curves["base"]], [curve], higher_is_better=False)
+        for name, curve in curves.items()
+        if name not in ("phase1", "base") and "base" in curves
+    }
+    tables = {name: ttt.table(f"{name} vs base", "held_out_mlm_loss", s) for name, s in summaries.items()}
+    failed = {name: (out / f"{name}.log").read_text()[-3000:] for name, code in status.items() if code != 0}
+    configs = {name: json.loads(Path(path).read_text()) for name, path in plan["configs"].items()}
+    return {
+        "passed": not failed and len(status) == len(plan["commands"]),
+        "exit_codes": status,
+        "sources": plan["sources"],
+        "configs": configs,
+        "curves": curves,
+        "summaries": summaries,
+        "tables": tables,
+        "failed_logs": failed,
+    }
+
+
+# ---------------------------------------------------------------- driver
+CHECKS: dict[str, Callable[[argparse.Namespace], Result]] = {
+    "tests": check_tests,
+    "fp16": check_fp16,
+    "lamb": check_lamb,
+    "step-cost": check_step_cost,
+    "bert": check_bert,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", choices=list(CHECKS), required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes and steps: the dry run")
+    default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "runs" / "gpu"
+    parser.add_argument("--out", type=Path, default=default_out, help="where <check>.json goes (default: $OUT)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (a step-cost run, a BERT run)")
+    parser.add_argument("--budget", type=float, help="step-cost: start no further run after this many seconds")
+    parser.add_argument("--peer-config", action="append", default=[], help="bert: a phase-2 config to compare too")
+    parser.add_argument("--phase1-steps", type=int, help="bert: phase-1 steps (default 600; tiny 4)")
+    parser.add_argument("--phase2-steps", type=int, help="bert: phase-2 steps (default 150; tiny 4)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.phase1_steps = args.phase1_steps or (4 if args.tiny else 600)
+    args.phase2_steps = args.phase2_steps or (4 if args.tiny else 150)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny for the dry run)")
+    start = time.perf_counter()
+    try:
+        result = CHECKS[args.check](args)
+    finally:
+        with contextlib.suppress(Exception):  # the lamb check's process group, if it made one
+            import ds_kfac
+
+            ds_kfac.shutdown()
+    record = {
+        "check": args.check,
+        "command": shlex.join(["python", "benchmarks/gpu/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        "device": args.device,
+        "tiny": args.tiny,
+        "environment": environment(),
+        "seconds": time.perf_counter() - start,
+        **result,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.check.replace('-', '_')}.json"
+    path.write_text(json.dumps(record, indent=1, default=str))
+    print(f"{args.check}: {'passed' if record['passed'] else 'FAILED'} in {record['seconds']:.0f}s -> {path}")
+    return 0 if record["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
