@@ -8,7 +8,8 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WHL=$ROOT/.whl
 # Missing on the GPU image: DeepSpeed's hjson, ds_kfac's and DeepSpeed's pydantic (with pydantic-core,
 # annotated-types, typing-inspection), and transformers at the version the BERT example is pinned to
-# (the image has 5.17.0; its requirements, huggingface-hub>=1.31, tokenizers 0.23, are there).
+# (the image has 5.17.0; its requirements, huggingface-hub>=1.31, tokenizers 0.23, are there), and pytorch-optimizer
+# for the peer arms' SOAP and PSGD-Kron (configs/*_soap.json, *_psgd.json; DeepSpeed has Muon).
 # Already there: torch, numpy, einops, msgpack, ninja, packaging, psutil, py-cpuinfo, tqdm, typing-extensions,
 # nvidia-ml-py, tokenizers, huggingface-hub, safetensors, regex, pyyaml, typer, pytest, pytest-timeout.
 PACKAGES=(
@@ -18,6 +19,7 @@ PACKAGES=(
   typing-inspection==0.4.5
   hjson==3.1.0
   transformers==5.23.0
+  pytorch-optimizer==4.1.0
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 

@@ -5,7 +5,7 @@
 # the CUDA build and the GPU and driver. Idempotent: a second call in the same machine installs nothing.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-if ! python3 -c "import deepspeed, pydantic, hjson" 2>/dev/null || [ "$(python3 -c 'import transformers; print(transformers.__version__)')" != 5.23.0 ]; then
+if ! python3 -c "import deepspeed, pydantic, hjson, pytorch_optimizer" 2>/dev/null || [ "$(python3 -c 'import transformers; print(transformers.__version__)')" != 5.23.0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "$ROOT"/.whl/*.whl
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
