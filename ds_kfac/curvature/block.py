@@ -133,7 +133,7 @@ class KFACBlock(CurvatureBlock):
         eigenbasis_moments: bool = False,
     ) -> None:
         super().__init__(name, adapter, method, inv_dtype)
-        self.a = KroneckerFactor(adapter.a_dim, factor_dtype)
+        self.a = KroneckerFactor(adapter.a_dim, factor_dtype, bias_column=adapter.has_bias)
         self.g = KroneckerFactor(adapter.g_dim, factor_dtype)
         if eigenvalue_correction:
             self.correction = EigenvalueCorrection(adapter.a_dim, adapter.g_dim, factor_dtype)
@@ -174,6 +174,9 @@ class KFACBlock(CurvatureBlock):
     def compute_sides(
         self, values: dict[str, Optional[torch.Tensor]], damping: float, dtype: torch.dtype
     ) -> dict[str, Optional[State]]:
+        if self.method.relative_damping:  # a side without curvature of its own is decomposed as zero
+            factors = {"A": self.a, "G": self.g}
+            values = {s: None if v is None else factors[s].decomposed(v, dtype) for s, v in values.items()}
         a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype)
         return {side: state for side, state in (("A", a_side), ("G", g_side)) if side in values}
 

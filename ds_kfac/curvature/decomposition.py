@@ -33,7 +33,8 @@ this makes the factor dampings ``sqrt(damping) tr A / dim A`` and
 ``mean(eig A) * mean(eig G)`` is below :func:`~.numerics.curvature_floor` (an all-zero or
 nearly zero factor: a dead layer) has no usable curvature: :meth:`Decomposition.uncurved`
 flags it, and its gradient passes through unpreconditioned (``inverse`` stores
-zero matrices for it).
+zero matrices for it). A side whose own mean curvature is below that floor (``A``'s
+over its input rows) is decomposed as zero (:meth:`~.factors.KroneckerFactor.decomposed`).
 
 Preconditioning accepts leading batch dimensions (a stack of layers of one
 shape, each with its own state and damping), so equal-shaped layers are

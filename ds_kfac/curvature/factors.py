@@ -5,7 +5,8 @@ an accumulator (so memory does not grow with gradient accumulation); at the
 step the mean over micro-batches is the step's factor, which (after any
 cross-rank averaging) updates the running average
 ``F <- decay * F + (1 - decay) * F_step``, the first update setting ``F = F_step``. A Kronecker factor
-without curvature (a dead layer's ``A = 0``) is replaced by the next step's instead of averaged with it.
+without curvature of its own (a dead layer's ``A = 0``; ``A``'s bias entry alone counts as none) is replaced by the
+next step's instead of averaged with it, and with relative damping decomposed as zero.
 """
 
 from __future__ import annotations
@@ -71,23 +72,44 @@ class RunningAverage:
 
 
 class KroneckerFactor(RunningAverage):
-    """Running average of ``E[x x^T]`` for one side (``A`` or ``G``) of one layer."""
+    """Running average of ``E[x x^T]`` for one side (``A`` or ``G``) of one layer; ``bias_column``: its last row
+    and column are a bias's (``A`` of a layer with a bias)."""
 
-    def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype = torch.float32, bias_column: bool = False) -> None:
         super().__init__((dim, dim), dtype)
         self.dim = dim
+        self.bias_column = bias_column
+
+    def curvature(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean curvature of ``value`` (this factor's shape) over its input rows, a device tensor: ``tr F / dim``
+        without the bias row, whose entry is 1 whatever the input, so a layer whose inputs were all zero has none."""
+        diagonal = value.diagonal()
+        if self.bias_column:
+            diagonal = diagonal[:-1]
+        return diagonal.to(compute_dtype(value.dtype)).mean()
+
+    def uncurved(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Whether ``value`` has no curvature of its own in ``dtype``: :meth:`curvature` below
+        :func:`~.numerics.curvature_floor` (a device bool: no host sync)."""
+        return self.curvature(value) < curvature_floor(dtype)
 
     def blend(self, step_value: torch.Tensor, decay: float) -> torch.Tensor:
-        """As :meth:`RunningAverage.blend`, except that a running factor without curvature (its mean eigenvalue,
-        ``tr F / dim``, below :func:`~.numerics.curvature_floor`: a layer whose input or output gradient was 0) is
-        replaced by the step's factor, as a first update is. Averaged in, a zero factor would shrink the next ones
-        by ``1 - decay`` and scale ``P(g)`` up by ``1 / (1 - decay)`` (20x at 0.95), relative damping or not."""
+        """As :meth:`RunningAverage.blend`, except that a running factor without curvature (:meth:`uncurved`: a
+        layer whose input or output gradient was 0) is replaced by the step's factor, as a first update is.
+        Averaged in, a zero factor would shrink the next ones by ``1 - decay`` and scale ``P(g)`` up by
+        ``1 / (1 - decay)`` (20x at 0.95), relative damping or not."""
         blended = super().blend(step_value, decay)
         if self.value is None:
             return blended
         dtype = compute_dtype(self.dtype)
-        dead = self.value.to(dtype).diagonal().mean() < curvature_floor(dtype)  # a device bool: no host sync
-        return torch.where(dead, step_value.to(dtype), blended.to(dtype)).to(self.dtype)
+        return torch.where(self.uncurved(self.value, dtype), step_value.to(dtype), blended.to(dtype)).to(self.dtype)
+
+    def decomposed(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``value`` as relative damping decomposes it in ``dtype``: zero where it is :meth:`uncurved`, so that the
+        block has no usable curvature (:meth:`~.decomposition.Decomposition.uncurved`) and passes its gradient
+        through until a decomposition finds curvature. Its bias entry alone would give ``A`` a mean eigenvalue of
+        ``1 / dim`` and leave the weights' directions damped by that alone once the input comes alive."""
+        return torch.where(self.uncurved(value, dtype), 0.0, value)
 
     def accumulate(self, rows: torch.Tensor, scale: Union[float, torch.Tensor] = 1.0) -> None:
         """Add one micro-batch: ``(scale^2 / n) sum_r x_r x_r^T`` over the ``n`` rows (``G``, at the backward)."""

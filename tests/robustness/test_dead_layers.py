@@ -55,17 +55,18 @@ def test_a_layer_dead_at_its_decomposition_passes_its_gradient_through_until_it_
     """issue 22, item 1: layer 0's input is 0 (or 1e-17) at step 0, whose factors are decomposed; at step 1 it is
     alive with that decomposition: its gradient is passed through bitwise (before: multiplied by up to 1e37). Step 2
     decomposes factors with curvature: preconditioned again, finite and of the gradient's order. One warning names
-    the layer, and the counter counts one decomposition."""
+    the layer and layer 2, whose input ``tanh(layer 0's output)`` is (nearly) 0 too (issue 36, item 6), and the
+    counter counts their two decompositions."""
     kfac, grads, caught = _steps(INPUT_SCALES[scale], grafting=graft, **METHODS[method])
     (raw0, out0), (raw1, out1), (raw2, out2) = grads
     assert torch.equal(out0, raw0) and torch.equal(out1, raw1) and raw1.abs().max() > 1e-3
     assert not torch.allclose(out2, raw2, rtol=1e-2) and out2.isfinite().all()
     assert out2.norm() < 1e3 * raw2.norm()
-    assert kfac.counters["uncurved_decompositions"] == 1
+    assert kfac.counters["uncurved_decompositions"] == 2
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 1 and messages[0].startswith("K-FAC layers ['0'] have no usable curvature"), messages
+    assert len(messages) == 1 and messages[0].startswith("K-FAC layers ['0', '2'] have no usable curvature"), messages
     assert f"below {FLOOR:.3g}" in messages[0] and f"{FLOOR:.3g}" == "9.86e-32"
-    assert kfac.metrics()["kfac/count/uncurved_decompositions"] == 1.0
+    assert kfac.metrics()["kfac/count/uncurved_decompositions"] == 2.0
 
 
 @pytest.mark.parametrize("scale", [1e-24, 1e20])
@@ -145,3 +146,42 @@ def test_a_factor_without_curvature_restarts_from_the_next_step() -> None:
     assert torch.equal(factor.value, step)
     factor.value = factor.blend(torch.eye(2), 0.95)
     torch.testing.assert_close(factor.value, 0.95 * step + 0.05 * torch.eye(2))
+
+
+PROBE_METHODS = {**METHODS, "eigen-corrected": {"eigenvalue_correction": True}}
+
+
+def _probe(skip_layers: list[str], **keys) -> tuple[list[torch.Tensor], int]:
+    """Issue 36's probe: SGD (lr 0.1), relative damping 0.1, factors every step, decompositions every 10, no KL clip,
+    4 steps of a bias-free ``Linear(6, 8)`` (then Tanh, ``Linear(8, 8)``, Tanh, ``Linear(8, 2)``) whose input is all
+    zeros at step 0: the parameters at the end, and the decompositions without usable curvature."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keys = dict(damping=0.1, relative_damping=True, kl_clip=None, factor_update_steps=1, inv_update_steps=10, **keys)
+    kfac = KFACPreconditioner(model, optimizer=opt, skip_layers=skip_layers, **keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the uncurved layers' warning (tested above), the skipped layers'
+        for step in range(4):
+            x, y = torch.randn(16, 6), torch.randn(16, 2)
+            opt.zero_grad()
+            ((model(x * (0.0 if step == 0 else 1.0)) - y) ** 2).mean().backward()
+            kfac.step()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()], kfac.counters["uncurved_decompositions"]
+
+
+@pytest.mark.parametrize("method", list(PROBE_METHODS))
+def test_a_layer_dead_at_the_first_decomposition_and_the_layer_after_it_pass_through(method: str) -> None:
+    """issue 36, item 6: layer 0's ``A`` is exactly 0 at the step-0 decomposition, and layer 2's has only its bias
+    entry (its input is ``tanh(0)``); both decompositions are used until step 10. Both layers' gradients now pass
+    through (layer 2's ``A`` has no curvature over its input rows, so it is decomposed as 0), which is the run with
+    both layers in ``skip_layers``; layer 4 is preconditioned in both. Before, layer 2's weights were divided by its
+    damping alone once alive: the largest parameter reached 4.6e3 (eigen, with or without the outer product), 3.6
+    (inverse) and 2.6 (eigenvalue correction), against 0.40-0.45 here."""
+    got, uncurved = _probe([], **PROBE_METHODS[method])
+    want, _ = _probe(["0", "2"], **PROBE_METHODS[method])
+    assert max(p.abs().max().item() for p in got) < 2.0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    assert uncurved == 2
