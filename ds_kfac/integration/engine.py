@@ -58,12 +58,14 @@ class KFACEngineMixin(CheckpointMixin):
     """
 
     kfac: KFACPreconditioner
+    raw_gradient_clipping: float = 0.0
+    """With ``eigenbasis_moments``: DeepSpeed's ``gradient_clipping`` (its default when the config omits it), applied
+    here to the raw gradients before K-FAC turns them into directions (``ds_kfac.initialize`` sets DeepSpeed's own to
+    0). 0 (the class default) while DeepSpeed's ``__init__`` builds its optimizers, which must not clip."""
 
     def __init__(self, *args: Any, kfac_config: KFACConfig, raw_gradient_clipping: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.raw_gradient_clipping = raw_gradient_clipping
-        """With ``eigenbasis_moments``: DeepSpeed's ``gradient_clipping``, applied here to the raw gradients before
-        K-FAC turns them into directions (``ds_kfac.initialize`` sets DeepSpeed's own to 0)."""
         self._clipped = [p for p in self.module.parameters() if p.requires_grad] if raw_gradient_clipping > 0 else []
         """The parameters whose gradients :attr:`raw_gradient_clipping` clips (found once, not every step)."""
         self.kfac = KFACPreconditioner(
@@ -80,6 +82,18 @@ class KFACEngineMixin(CheckpointMixin):
             model_parallel_group=self._model_parallel_group(),
         )
         self._preconditioning_verified = False
+
+    def gradient_clipping(self) -> float:
+        """The norm the step clips the global gradient to: DeepSpeed's ``gradient_clipping``, or with
+        ``eigenbasis_moments`` :attr:`raw_gradient_clipping`, the same value read from the same config with the same
+        default, which the engine applies itself before preconditioning."""
+        return self.raw_gradient_clipping or super().gradient_clipping()
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's clip at ZeRO stage 0 (fp32), which its step calls when :meth:`gradient_clipping` is positive:
+        skipped when the engine clipped the raw gradients already (it would clip K-FAC's directions)."""
+        if not self.raw_gradient_clipping:
+            super().clip_fp32_gradients()
 
     def _kfac_config(self, config: KFACConfig) -> KFACConfig:
         """The configuration the preconditioner gets: the user's."""

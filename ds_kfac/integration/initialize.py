@@ -39,7 +39,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.module_inject import set_autotp_mode
 from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, get_gradient_clipping
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config, merge_tp_model_init_into_config
 from deepspeed.runtime.zero import partition_parameters
@@ -172,6 +172,12 @@ def _optimizer_from_json(
         )
     if kind not in JSON_OPTIMIZERS and not moments:
         return None
+    if moments and section.get("params", {}).get("amsgrad", False):
+        raise KFACConfigError(
+            f"kfac.eigenbasis_moments with optimizer type {section.get('type')!r} and amsgrad=true: AMSGrad keeps the "
+            f"running maximum of v per parameter element, while K-FAC keeps v in its eigenbasis, which turns at every "
+            f"refresh, so there is no per-element maximum to carry; set amsgrad to false, or use K-FAC without the key"
+        )
     params = model_parameters if model_parameters is not None else model.parameters()
     params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
     if moments:
@@ -183,6 +189,24 @@ def _optimizer_from_json(
         # ZeRO asks for this flag for any optimizer outside its tested list.
         config["zero_allow_untested_optimizer"] = True
     return optimizer
+
+
+def _moments_if_layers(kfac_config: KFACConfig, model: torch.nn.Module) -> KFACConfig:
+    """``kfac_config``, with ``eigenbasis_moments`` turned off when K-FAC registers no layer of ``model`` (all in
+    ``skip_layers``, or none of a supported type): there are no moments to keep in an eigenbasis, so the model trains
+    as the base optimizer, built and clipped by DeepSpeed as without the key (docs/faults.md), with a
+    ``UserWarning`` on rank 0 saying so."""
+    if preconditioned_parameters(model, kfac_config):
+        return kfac_config
+    if ds_comm.get_rank() == 0:
+        warnings.warn(
+            "kfac.eigenbasis_moments: K-FAC registers no layer of this model (all in skip_layers, or none of a "
+            "supported type), so there are no moments to keep in its eigenbasis: it trains as the base optimizer, "
+            "as without the key",
+            UserWarning,
+            stacklevel=3,
+        )
+    return kfac_config.model_copy(update={"eigenbasis_moments": False})
 
 
 def _refuse_mpu(mpu: Any, stage: int) -> list[str]:
@@ -255,6 +279,8 @@ def initialize(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
+    if kfac_config.eigenbasis_moments and not isinstance(model, PipelineModule):
+        kfac_config = _moments_if_layers(kfac_config, model)
     if optimizer is None:
         optimizer = _optimizer_from_json(config, model, model_parameters, kfac_config)
     elif kfac_config.enabled and not callable(optimizer):
@@ -281,7 +307,7 @@ def initialize(
     if kfac_config.enabled:
         extra["kfac_config"] = kfac_config
         if kfac_config.eigenbasis_moments:  # clip the gradients, not K-FAC's directions (see the module docstring)
-            extra["raw_gradient_clipping"] = float(config.get("gradient_clipping", 0.0))
+            extra["raw_gradient_clipping"] = float(get_gradient_clipping(config))  # DeepSpeed's default (1.0) if unset
             config["gradient_clipping"] = 0.0
     if easgd_config.enabled:
         extra["easgd_config"] = easgd_config
