@@ -29,8 +29,8 @@ from ..layers.base import LayerAdapter
 from .correction import EigenvalueCorrection
 from .decomposition import Decomposition, Shape, State
 from .factors import KroneckerFactor, RunningAverage
-from .moments import EigenbasisMoments, MomentRule, step_moments
-from .numerics import in_eigenbasis
+from .moments import EigenbasisMoments, MomentRule, eigenbasis_directions, step_moments
+from .numerics import compute_dtype
 
 
 class CurvatureBlock(ABC):
@@ -290,8 +290,8 @@ class StackedStates:
             stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
             if moments is not None:
                 held = [blocks[i].moments for i in positions]
-                qa, qg = method.basis(state)
-                result = in_eigenbasis(qa, qg, stacked, lambda rotated: step_moments(held, rotated, moments))
+                rounding = max(method.basis_rounding, torch.finfo(compute_dtype(grads[positions[0]].dtype)).eps)
+                result = eigenbasis_directions(*method.basis(state), stacked, held, moments, rounding)
             else:
                 result = self._precondition_group(group, method, stacked, damping, _scaling(blocks, positions), graft)
             for j, i in enumerate(positions):

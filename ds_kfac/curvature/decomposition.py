@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .numerics import below_floor, eigh, floor_damping, in_eigenbasis, inv, with_fallback
+from .numerics import below_floor, canonical_eigh, eigh, floor_damping, in_eigenbasis, inv, with_fallback
 
 if TYPE_CHECKING:
     from ..config import KFACConfig
@@ -136,10 +136,16 @@ class EigenDecomposition(Decomposition):
         _, va, _, vg = state
         return below_floor(va.mean(-1), vg.mean(-1))
 
+    basis_rounding: Optional[float] = None
+    """With ``eigenbasis_moments``, the unit roundoff of the factors: bases are then canonical inside clusters of
+    equal eigenvalues (:func:`~.numerics.canonical_eigh`)."""
+
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
     ) -> tuple[Optional[State], Optional[State]]:
-        return tuple(None if f is None else with_fallback(eigh, f, dtype) for f in (a, g))
+        rounding = self.basis_rounding
+        fn = eigh if rounding is None else lambda m: canonical_eigh(m, rounding)
+        return tuple(None if f is None else with_fallback(fn, f, dtype) for f in (a, g))
 
     @staticmethod
     def basis(state: State) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,4 +265,8 @@ def method_for(config: KFACConfig) -> Decomposition:
     (which the config only accepts with ``"eigen"``)."""
     if config.eigenvalue_outer_product:
         return EigenOuterDecomposition(config.relative_damping)
-    return METHODS[config.compute_method](config.relative_damping)
+    method = METHODS[config.compute_method](config.relative_damping)
+    if config.eigenbasis_moments:  # the config only accepts it with "eigen"
+        dtypes = (config.factor_torch_dtype, config.inv_torch_dtype)
+        method.basis_rounding = max(torch.finfo(d).eps for d in dtypes)
+    return method

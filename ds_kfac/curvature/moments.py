@@ -24,6 +24,10 @@ import torch
 
 from .numerics import Basis, change_basis
 
+FLUSH = 10.0
+"""Rotated gradient entries within ``FLUSH`` unit roundoffs of their rounding bound are taken as 0
+(:func:`eigenbasis_directions`)."""
+
 
 @dataclass(frozen=True)
 class MomentRule:
@@ -92,3 +96,26 @@ def step_moments(moments: Sequence[EigenbasisMoments], rotated: torch.Tensor, ru
         x.steps += 1
         steps.append(x.steps)
     return rule.direction(m, v, steps).to(rotated.dtype)
+
+
+def eigenbasis_directions(
+    qa: torch.Tensor,
+    qg: torch.Tensor,
+    grads: torch.Tensor,
+    moments: Sequence[EigenbasisMoments],
+    rule: MomentRule,
+    rounding: float,
+) -> torch.Tensor:
+    """``Q_G d' Q_A^T`` for stacked gradients ``grads`` rotated into their layers' bases ``(Q_A, Q_G)``, ``d'`` the
+    direction of :func:`step_moments`.
+
+    A rotated entry ``r_ij`` with ``|r_ij| <= FLUSH rounding (|Q_G|^T |g| |Q_A|)_ij`` is taken as 0 (``rounding``:
+    the unit roundoff of the gradient, the factors and the rotation, the coarsest): it is within the rounding
+    error of ``g``'s sums and of the rotation, as the entries of a gradient along a factor's null space are (0 in
+    exact arithmetic), and Adam's division would scale that noise up to about ``noise / eps``, differently for
+    every reduction order (2 ranks against one process)."""
+    g = grads.to(qa.dtype)
+    rotated = qg.mT @ g @ qa
+    bound = qg.abs().mT @ g.abs() @ qa.abs()
+    rotated = rotated.masked_fill(rotated.abs() <= FLUSH * rounding * bound, 0.0)
+    return qg @ step_moments(moments, rotated, rule) @ qa.mT

@@ -50,6 +50,34 @@ def eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vectors, values.clamp_(min=0.0)
 
 
+def canonical_eigh(matrix: torch.Tensor, rounding: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`eigh` in float64 with a basis fixed inside every cluster of equal eigenvalues, for bases whose every
+    vector matters (``eigenbasis_moments``: Adam's per-element rule is not invariant to rotations inside an
+    eigenspace, and LAPACK picks those from rounding, so two reduction orders of one factor, e.g. 2 ranks and one
+    process, got different updates).
+
+    Eigenvalues whose gaps to their neighbours are within the factor's rounding, ``sqrt(n) rounding max|v|``
+    (``rounding``: the unit roundoff the factor was summed in), form a cluster: the null space of a factor of fewer
+    rows than its size, above all. Its basis becomes the eigenvectors of the compression of
+    ``diag(1, 2, ..., n)`` onto the cluster's span, which depend on the span only: the vectors of the span nearest
+    the coordinate axes, in their order. A second ``eigh``, only when some cluster has two eigenvalues or more
+    (one host sync per factor, at decompositions)."""
+    m = matrix.to(torch.float64)
+    values, vectors = torch.linalg.eigh(m)
+    n = values.shape[-1]
+    tol = n**0.5 * rounding * values.abs().amax(-1, keepdim=True)
+    splits = values.diff(dim=-1) > tol
+    if bool(splits.all()):
+        return vectors, values.clamp_(min=0.0)
+    cluster = torch.cat([torch.zeros_like(splits[..., :1]), splits], -1).cumsum(-1).to(m.dtype)
+    axes = torch.arange(1, n + 1, dtype=m.dtype, device=m.device) / n
+    compressed = vectors.mT @ (axes[:, None] * vectors)
+    compressed = torch.where(cluster[..., :, None] == cluster[..., None, :], compressed, 0.0)
+    # 2 k on the diagonal of cluster k keeps the clusters' spectra (in [2k, 2k + 1]) apart and in order.
+    _, within = torch.linalg.eigh(compressed + torch.diag_embed(2.0 * cluster))
+    return vectors @ within, values.clamp_(min=0.0)
+
+
 def inv(matrix: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.linalg.inv(matrix),)
 

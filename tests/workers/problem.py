@@ -49,12 +49,27 @@ def make_batchnorm_model() -> nn.Module:
     return nn.Sequential(nn.Linear(IN, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, OUT))
 
 
+def make_layernorm_model() -> nn.Module:
+    """A wider MLP with a LayerNorm: at 8 examples a step its 16-wide factors have null spaces (issue 36's probe of
+    eigenbasis moments, where LAPACK's choice of basis inside them made 2 ranks differ from one process)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, OUT)
+    )
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     """Whether ``model`` normalizes over its batch: a single-process reference must then run each rank's rows apart."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-MODELS = {"mlp": make_model, "uniform": make_uniform_model, "shared": SharedLayer, "batchnorm": make_batchnorm_model}
+MODELS = {
+    "mlp": make_model,
+    "uniform": make_uniform_model,
+    "shared": SharedLayer,
+    "batchnorm": make_batchnorm_model,
+    "layernorm": make_layernorm_model,
+}
 
 
 def param_groups(model: nn.Module) -> list[dict]:
