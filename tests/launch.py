@@ -150,6 +150,26 @@ def torchrun_two_nodes(
     return _results(out_dir, len(scenarios), 2)
 
 
+def deepspeed_nodes(
+    nodes: int, per_node: int, out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 240
+) -> list[list[dict[str, Any]]]:
+    """A job of ``nodes`` nodes x ``per_node`` ranks through the ``deepspeed`` launcher's multi-node path, on this
+    machine: a hostfile naming ``nodes`` hosts, and one ``deepspeed --hostfile --no_ssh --node_rank R`` per node
+    (as each node of a cluster without ssh runs it), all meeting at ``127.0.0.1``."""
+    hostfile = out_dir / "hostfile"
+    hostfile.write_text("".join(f"node{n} slots={per_node}\n" for n in range(nodes)))
+    port = str(free_port())
+    worker = _spec(out_dir, scenarios)
+    cmds = [
+        [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node)]
+        + ["--master_addr", "127.0.0.1", "--master_port", port]
+        + worker
+        for node in range(nodes)
+    ]
+    run(cmds, timeout)
+    return _results(out_dir, len(scenarios), nodes * per_node)
+
+
 def torchrun(
     world: int, out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 300
 ) -> list[list[dict[str, Any]]]:

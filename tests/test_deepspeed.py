@@ -8,8 +8,9 @@ from pathlib import Path
 import launch
 import pytest
 import torch
-from workers import problem
+from workers import ds_worker, problem
 
+import ds_kfac
 from ds_kfac import KFACPreconditioner
 
 pytestmark = pytest.mark.timeout(420)
@@ -159,7 +160,7 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list
     scenarios.update(resume_scenarios(out))
     scenarios["saved_for_world1"] = {"kfac": KFAC, "steps": 3, "save": {"dir": str(out / "ckpt-world1"), "at": 3}}
     results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
-    return {**results, "checkpoint_for_world1": str(out / "ckpt-world1")}
+    return {**results, "checkpoint_for_world1": str(out / "ckpt-world1"), "zero2_checkpoint": str(out / "ckpt-2-plain")}
 
 
 @pytest.mark.parametrize("variant", list(ZERO_VARIANTS) + list(PLACEMENT_VARIANTS) + list(BF16_VARIANTS))
@@ -330,14 +331,67 @@ def test_resume_at_another_world_size(equivalence_runs: dict, tmp_path: Path) ->
         torch.testing.assert_close(got, want, **FP32_TOL)
 
 
-def test_two_nodes_on_loopback(tmp_path: Path) -> None:
-    """torchrun, two launcher invocations (node ranks 0 and 1): same result as one node."""
-    scenarios = [{"ds": ZERO_VARIANTS[v], "kfac": KFAC, "steps": STEPS} for v in ("stage0", "stage2")]
-    expected, _ = reference(STEPS)
-    for results in launch.torchrun_two_nodes(tmp_path, scenarios):
-        assert_ranks_identical(results)
-        for got, want in zip(results[0]["params"], expected):
-            torch.testing.assert_close(got, want, **FP32_TOL)
+def test_a_zero2_checkpoint_of_two_ranks_is_refused_at_one_before_anything_is_loaded(
+    equivalence_runs: dict, one_rank: None
+) -> None:
+    """Issue 36, item 5: ZeRO 2 optimizer states saved at 2 ranks, loaded in 1 process (after a step, so that there
+    is something to overwrite): refused naming both world sizes, and the engine's parameters, counters and K-FAC
+    state are bitwise as before (before: DeepSpeed's ``ZeRORuntimeException`` came after it had written the saved
+    weights and step counter into the engine)."""
+    scenario = {"ds": {"zero_optimization": {"stage": 2}}, "kfac": KFAC, "ga": GA * WORLD}
+    model = problem.make_model()
+    config = ds_worker.config(scenario, 1)
+    engine, *_ = ds_kfac.initialize(model=model, model_parameters=problem.param_groups(model), config=config)
+    x, y = problem.global_batch(0, GLOBAL)
+    for xs, ys in zip(x.chunk(GA * WORLD), y.chunk(GA * WORLD)):
+        engine.backward(problem.loss_fn(engine(xs), ys))
+        engine.step()
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    counters = (engine.global_steps, engine.global_samples, engine.micro_steps, engine.kfac.steps)
+    factors = engine.kfac.state_dict()["layers"]
+    with pytest.raises(ValueError) as error:
+        engine.load_checkpoint(equivalence_runs["zero2_checkpoint"])
+    assert "holds ZeRO optimizer states saved at data-parallel world size 2 and this engine runs 1" in str(error.value)
+    assert "(nothing was loaded)" in str(error.value)
+    assert counters == (1, GLOBAL, GA * WORLD, 1)
+    assert (engine.global_steps, engine.global_samples, engine.micro_steps, engine.kfac.steps) == counters
+    assert all(torch.equal(a, b) for a, b in zip(params, engine.module.parameters()))
+    after = engine.kfac.state_dict()["layers"]
+    assert all(torch.equal(factors[n][k], after[n][k]) for n in factors for k in ("A", "G"))
+    engine.destroy()
+
+
+TWO_NODE_VARIANTS = ("stage0", "stage2")
+
+
+def assert_one_node(results: list[list[dict]], equivalence_runs: dict) -> None:
+    """Each of :data:`TWO_NODE_VARIANTS`' per-rank ``results`` bitwise equal to the same run on one node of 2 ranks
+    (:func:`equivalence_runs`), which equals one process to FP32_TOL."""
+    for variant, ranks in zip(TWO_NODE_VARIANTS, results):
+        one_node = equivalence_runs[variant]
+        for r in range(WORLD):
+            assert all(torch.equal(a, b) for a, b in zip(ranks[r]["params"], one_node[r]["params"]))
+            assert ranks[r]["kfac_steps"] == one_node[r]["kfac_steps"] == STEPS
+
+
+def test_two_nodes_on_loopback(tmp_path: Path, equivalence_runs: dict) -> None:
+    """torchrun, two launcher invocations (node ranks 0 and 1): bitwise the result of one node."""
+    scenarios = [{"ds": ZERO_VARIANTS[v], "kfac": KFAC, "steps": STEPS} for v in TWO_NODE_VARIANTS]
+    assert_one_node(launch.torchrun_two_nodes(tmp_path, scenarios), equivalence_runs)
+
+
+def test_deepspeed_launcher_two_nodes(tmp_path: Path, equivalence_runs: dict) -> None:
+    """Issue 36, item 8: the ``deepspeed`` launcher's multi-node path (a hostfile of two hosts, one ``deepspeed
+    --hostfile --no_ssh --node_rank R`` per node, docs/deepspeed.md), 2 nodes x 1 rank: each rank is local rank 0 of
+    its node (LOCAL_RANK 0, CROSS_RANK its node), on the CPU device, and ZeRO 0 and 2 with K-FAC train bitwise as 1
+    node x 2 ranks (ds_kfac derives nothing from the node: its groups, placement and the saving rank are global)."""
+    scenarios = [{"ds": ZERO_VARIANTS[v], "kfac": KFAC, "steps": STEPS} for v in TWO_NODE_VARIANTS]
+    results = launch.deepspeed_nodes(2, 1, tmp_path, scenarios)
+    for ranks in results:
+        for r, rank in enumerate(ranks):
+            assert rank["node"] == {"LOCAL_RANK": "0", "LOCAL_SIZE": "1", "CROSS_RANK": str(r), "CROSS_SIZE": "2"}
+            assert rank["device"] == "cpu"
+    assert_one_node(results, equivalence_runs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 needs CUDA: DeepSpeed refuses fp16 on CPU")

@@ -2,9 +2,9 @@
 
 Each engine keeps files of its own in DeepSpeed's tag directory (K-FAC's state, EASGD's per-rank weights). On
 save they are written atomically before DeepSpeed writes anything (so before its ``latest`` file names the new
-tag). On load the tag is resolved as DeepSpeed will, a ZeRO stage DeepSpeed cannot load across is refused, and
-every file is read and checked on every rank before DeepSpeed loads anything: a ``ValueError`` then leaves the
-engine as it was. ``load_optimizer_states=False`` or ``load_module_only=True`` read none of them.
+tag). On load the tag is resolved as DeepSpeed will, a ZeRO stage or world size DeepSpeed cannot load across is
+refused, and every file is read and checked on every rank before DeepSpeed loads anything: a ``ValueError`` then
+leaves the engine as it was. ``load_optimizer_states=False`` or ``load_module_only=True`` read none of them.
 
 An engine class adds its part through three hooks, each calling ``super()`` so that mixed engines
 (:class:`~ds_kfac.integration.easgd.KFACEASGDEngine`) chain them: :meth:`_states_to_save`,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
-from .files import refuse_zero_stage_change, save_atomic, tag_to_load, tag_to_save
+from .files import refuse_unloadable, save_atomic, tag_to_load, tag_to_save
 
 Installer = Callable[[], None]
 """Puts one part's checked state in place, once DeepSpeed has loaded its own."""
@@ -38,12 +38,13 @@ class CheckpointMixin:
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[Optional[str], Optional[dict]]:
         """``DeepSpeedEngine.load_checkpoint``, this engine's own files read and checked before it
-        (:meth:`_read_checkpoint`) and put in place after it. DeepSpeed files saved at a ZeRO stage this engine
-        cannot load (:func:`~ds_kfac.integration.files.refuse_zero_stage_change`) raise a ``ValueError`` first."""
+        (:meth:`_read_checkpoint`) and put in place after it. DeepSpeed files this engine cannot load, saved at
+        another ZeRO stage or with ZeRO optimizer states at another world size
+        (:func:`~ds_kfac.integration.files.refuse_unloadable`), raise a ``ValueError`` first."""
         fresh = kwargs.get("load_module_only", False) or not kwargs.get("load_optimizer_states", True)
         tag = tag_to_load(self, load_dir, tag)
         if tag is not None:
-            refuse_zero_stage_change(self, os.path.join(load_dir, tag), optimizer_states=not fresh)
+            refuse_unloadable(self, os.path.join(load_dir, tag), optimizer_states=not fresh)
         if fresh or tag is None:  # fresh; or no checkpoint named: DeepSpeed warns and loads nothing
             loaded = super().load_checkpoint(load_dir, tag, **kwargs)
             if fresh:

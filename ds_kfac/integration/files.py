@@ -91,10 +91,10 @@ MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 (``zero_pp_rank_<dp>_mp_rank_<mp>_model_states.pt``) at ZeRO 3."""
 
 
-def saved_zero_stage(checkpoint: str) -> Optional[int]:
-    """The ZeRO stage of the DeepSpeed checkpoint in tag directory ``checkpoint``: ``zero_optimization.stage`` of
-    the ``ds_config`` DeepSpeed records in its model states files (0 when absent), read memory-mapped (the weights
-    are not read). ``None`` without such a readable file or entry (DeepSpeed then reports the checkpoint itself)."""
+def saved_model_states(checkpoint: str) -> Optional[dict]:
+    """The first of DeepSpeed's model states files in tag directory ``checkpoint`` (its ``ds_config``, counters and
+    ``dp_world_size``), read memory-mapped (the weights are not read). ``None`` without such a readable file (DeepSpeed
+    then reports the checkpoint itself)."""
     names = sorted(f for f in os.listdir(checkpoint) if MODEL_STATES.fullmatch(f)) if os.path.isdir(checkpoint) else []
     if not names:
         return None
@@ -102,18 +102,43 @@ def saved_zero_stage(checkpoint: str) -> Optional[int]:
         state = torch.load(os.path.join(checkpoint, names[0]), map_location="cpu", mmap=True, weights_only=False)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError):  # not torch.save's format: DeepSpeed will say
         return None
-    config = state.get("ds_config") if isinstance(state, dict) else None
-    stage = (config.get("zero_optimization") or {}).get("stage", 0) if isinstance(config, dict) else None
-    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+    return state if isinstance(state, dict) else None
 
 
-def refuse_zero_stage_change(engine: DeepSpeedEngine, checkpoint: str, optimizer_states: bool) -> None:
-    """Raise ``ValueError`` before DeepSpeed loads anything when the checkpoint in tag directory ``checkpoint`` was
-    saved at a ZeRO stage this engine cannot load it at: DeepSpeed 0.19.8 fails on 3 against 0-2 (other files;
-    its bare ``AssertionError``), and with ``optimizer_states`` on 0 against 1-2 (ZeRO optimizer files missing or
-    unread); 1 and 2 load each other."""
-    saved, current = saved_zero_stage(checkpoint), engine.zero_optimization_stage()
-    if engine.load_universal_checkpoint() or saved is None or saved == current:
+def _saved_int(value: Any) -> Optional[int]:
+    """``value`` if it is an ``int`` (not a ``bool``), else ``None``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def saved_zero_stage(states: dict) -> Optional[int]:
+    """The ZeRO stage of DeepSpeed's model ``states``: ``zero_optimization.stage`` of the ``ds_config`` it records (0
+    when absent); ``None`` without a readable entry."""
+    config = states.get("ds_config")
+    return _saved_int((config.get("zero_optimization") or {}).get("stage", 0)) if isinstance(config, dict) else None
+
+
+def refuse_unloadable(engine: DeepSpeedEngine, checkpoint: str, optimizer_states: bool) -> None:
+    """Raise ``ValueError`` before DeepSpeed loads anything when it would fail part-way through loading the checkpoint
+    in tag directory ``checkpoint`` (after writing the weights and counters into the engine): saved at a ZeRO stage it
+    cannot load across (:func:`refuse_zero_stage_change`), or, with ``optimizer_states``, ZeRO optimizer states saved at
+    another data-parallel world size (:func:`refuse_world_size_change`). Universal checkpoints load across both."""
+    states = None if engine.load_universal_checkpoint() else saved_model_states(checkpoint)
+    if states is None:
+        return
+    refuse_zero_stage_change(engine, checkpoint, saved_zero_stage(states), optimizer_states)
+    if optimizer_states:
+        refuse_world_size_change(engine, checkpoint, _saved_int(states.get("dp_world_size")))
+
+
+def refuse_zero_stage_change(
+    engine: DeepSpeedEngine, checkpoint: str, saved: Optional[int], optimizer_states: bool
+) -> None:
+    """Raise ``ValueError`` when the checkpoint in tag directory ``checkpoint`` was saved at ZeRO stage ``saved`` and
+    this engine cannot load it: DeepSpeed 0.19.8 fails on 3 against 0-2 (other files; its bare ``AssertionError``),
+    and with ``optimizer_states`` on 0 against 1-2 (ZeRO optimizer files missing or unread); 1 and 2 load each
+    other."""
+    current = engine.zero_optimization_stage()
+    if saved is None or saved == current:
         return
     if 3 not in (saved, current) and not (optimizer_states and 0 in (saved, current)):
         return
@@ -128,4 +153,22 @@ def refuse_zero_stage_change(engine: DeepSpeedEngine, checkpoint: str, optimizer
         f"DeepSpeed cannot load it across that change (nothing was loaded). Resume at stage {saved}, or restore the "
         f"weights with {weights} (into the model, before ds_kfac.initialize) and K-FAC's state with "
         f"engine.kfac.load_state_dict(torch.load(<its kfac_state.pt>)), the optimizer starting fresh{weights_only}"
+    )
+
+
+def refuse_world_size_change(engine: DeepSpeedEngine, checkpoint: str, saved: Optional[int]) -> None:
+    """Raise ``ValueError`` when this engine runs ZeRO (stage 1-3) and the checkpoint in tag directory
+    ``checkpoint`` was saved at data-parallel world size ``saved`` (its model states' ``dp_world_size``) other than
+    the engine's: DeepSpeed 0.19.8 refuses to repartition ZeRO optimizer states (``ZeRORuntimeException``), but only
+    once it has loaded the weights and counters."""
+    current = engine.seq_dp_world_size
+    if saved is None or saved == current or not engine.zero_optimization():
+        return
+    raise ValueError(
+        f"checkpoint {checkpoint} holds ZeRO optimizer states saved at data-parallel world size {saved} and this "
+        f"engine runs {current}: DeepSpeed cannot repartition them (nothing was loaded). Resume at world size "
+        f"{saved}; or pass load_optimizer_states=False (weights only, the optimizer and K-FAC starting fresh); or "
+        f"restore the weights with deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(load_dir, "
+        f"tag) (into the model, before ds_kfac.initialize) and K-FAC's state, which does not depend on the world size, "
+        f"with engine.kfac.load_state_dict(torch.load(<its kfac_state.pt>)), the optimizer starting fresh"
     )

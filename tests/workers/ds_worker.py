@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -130,6 +131,8 @@ def train(scenario: dict) -> dict:
         "skipped_steps": engine.skipped_steps,
         "engine": type(engine).__name__,
         "optimizer": type(engine.basic_optimizer).__name__,
+        "node": {key: os.environ.get(key) for key in ("LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")},
+        "device": str(engine.device),
     }
 
 
