@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import launch
 import pytest
@@ -30,3 +30,12 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
     yield
     ds_kfac.shutdown()
+
+
+@pytest.fixture
+def engines(one_rank: None) -> Iterator[list[Any]]:
+    """Engines a test builds on one rank, destroyed afterwards (which restores Python's GC if they disabled it)."""
+    built: list[Any] = []
+    yield built
+    for engine in built:
+        engine.destroy()

@@ -14,7 +14,7 @@ import json
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import deepspeed
 import pytest
@@ -86,14 +86,6 @@ def test_every_step_of_deepspeed_initialize_is_followed() -> None:
     followed = {name for name, what in DEEPSPEED_INITIALIZE_CALLS.items() if what == FOLLOWED}
     assert followed <= ours, f"ds_kfac.initialize does not call {sorted(followed - ours)}"
 
-
-@pytest.fixture
-def engines(one_rank: None) -> Iterator[list[Any]]:
-    """Engines a test builds on one rank, destroyed afterwards (which restores Python's GC if they disabled it)."""
-    built: list[Any] = []
-    yield built
-    for engine in built:
-        engine.destroy()
 
 
 def _pipeline_model(cls: type[PipelineModule] = PipelineModule) -> PipelineModule:

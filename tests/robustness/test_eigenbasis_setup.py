@@ -7,7 +7,7 @@ Engines are built in this process, on one gloo rank, as the deepspeed launcher w
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,14 +25,6 @@ BASE = {"train_micro_batch_size_per_gpu": 4, "optimizer": ADAMW}
 TARGET_SCALE = 10.0
 """Targets far from the outputs: the global gradient norm is above 1 at every step, so clipping to 1 acts."""
 
-
-@pytest.fixture
-def engines(one_rank: None) -> Iterator[list[Any]]:
-    """Engines a test builds on one rank, destroyed afterwards."""
-    built: list[Any] = []
-    yield built
-    for engine in built:
-        engine.destroy()
 
 
 def _train(engines: list[Any], config: dict) -> tuple[Any, list[torch.Tensor]]:
