@@ -225,6 +225,15 @@ def run_arms(
     return runs
 
 
+def launch_all(
+    args: argparse.Namespace, configs: dict[str, dict[str, Any]], labels: dict[str, str], name: str
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """:func:`run_arms` with the command line's seeds, output, timeout and phase 1; also the example's arguments."""
+    extra = list(ttt.TASKS[args.task].smoke_args if args.smoke else ()) + list(args.extra)
+    runs = run_arms(args.task, configs, labels, args.seeds, args.out / name, extra, args.timeout, args.phase1)
+    return runs, extra
+
+
 def save(result: dict[str, Any], out: Path, title: str, target: Optional[float]) -> None:
     """``<out>.json`` and ``<out>.png`` (held-out metric against steps and training seconds, every run)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -250,18 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arms = {arm: ARMS[args.task][arm] for arm in (args.arms or ARMS[args.task])}
     sets = parse_sets(args.set, list(arms))
     configs = {arm: ttt.apply_overrides(json.loads((ROOT / path).read_text()), sets[arm]) for arm, path in arms.items()}
-    extra = list(ttt.TASKS[args.task].smoke_args if args.smoke else ()) + list(args.extra)
     name = args.name or f"peers_{args.task}"
-    runs = run_arms(
-        args.task,
-        configs,
-        {arm: f"{arm} ({Path(path).stem})" for arm, path in arms.items()},
-        args.seeds,
-        args.out / name,
-        extra,
-        args.timeout,
-        args.phase1,
-    )
+    runs, extra = launch_all(args, configs, {arm: f"{arm} ({Path(path).stem})" for arm, path in arms.items()}, name)
     task = ttt.TASKS[args.task]
     summary = summarize({arm: [r["curve"] for r in runs if r["arm"] == arm] for arm in arms}, task.higher_is_better)
     result = {
@@ -301,18 +300,8 @@ def grid(args: argparse.Namespace) -> dict[str, Any]:
     points = grid_points(args.vary)
     configs = {"/".join(point) or "as committed": ttt.apply_overrides(base, point) for point in points}
     keys = {name: f"{args.arm}{i}" for i, name in enumerate(configs)}
-    extra = list(ttt.TASKS[args.task].smoke_args if args.smoke else ()) + list(args.extra)
     name = args.name or f"grid_{args.task}_{args.arm}"
-    runs = run_arms(
-        args.task,
-        {keys[n]: c for n, c in configs.items()},
-        {keys[n]: n for n in configs},
-        args.seeds,
-        args.out / name,
-        extra,
-        args.timeout,
-        args.phase1,
-    )
+    runs, extra = launch_all(args, {keys[n]: c for n, c in configs.items()}, {keys[n]: n for n in configs}, name)
     task = ttt.TASKS[args.task]
     finals = {n: statistics.median(r["curve"][-1][2] for r in runs if r["arm"] == keys[n]) for n in configs}
     ranked = sorted(finals, key=finals.__getitem__, reverse=task.higher_is_better)

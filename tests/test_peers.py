@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -115,3 +116,47 @@ def test_client_optimizer_section_errors_name_the_problem() -> None:
         build_client_optimizer({"class": "torch.nn.Linear"}, params, seed=0)
     with pytest.raises(ValueError, match="'class' and 'params'"):
         build_client_optimizer({"class": "torch.optim.SGD", "lr": 0.1}, params, seed=0)
+
+
+def test_run_rotates_the_arms_per_seed_and_saves_the_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``run`` end to end with the launcher replaced by one that writes each run's metrics.csv: the arms' order
+    rotates by one per seed, the one-time cost comes off every time, and the JSON and plot are written."""
+    order = []
+
+    def fake_launch(task, config, seed, out, run_name, extra, timeout) -> None:
+        arm = run_name.split("-seed")[0]
+        order.append(run_name)
+        slope = {"sgd": 1.0, "adamw": 0.5, "kfac": 2.0}.get(arm, 0.1)
+        rows = ["step,samples,seconds,loss,lr,held_out_accuracy,held_out_loss"]
+        for step in range(1, 5):  # 1 s a step, the first 3 s more (a compile)
+            accuracy = f"{min(0.99, 0.2 * slope * step):.4f}" if step % 2 == 0 else ""
+            rows.append(f"{step},{step},{step + 3.0},1.0,0.1,{accuracy},{'1.0' if accuracy else ''}")
+        (out / run_name).mkdir(parents=True)
+        (out / run_name / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+    monkeypatch.setattr(peers.ttt, "launch", fake_launch)
+    monkeypatch.setattr(peers.ttt, "versions", lambda: {})
+    args = argparse.Namespace(
+        task="resnet",
+        arms=["sgd", "adamw", "kfac"],
+        set=[],
+        seeds=[0, 1],
+        name=None,
+        out=tmp_path,
+        smoke=False,
+        timeout=1.0,
+        phase1=None,
+        extra=[],
+    )
+    result = peers.run(args)
+    assert order == ["sgd-seed0", "adamw-seed0", "kfac-seed0", "adamw-seed1", "kfac-seed1", "sgd-seed1"]
+    assert {r["one_time_seconds"] for r in result["runs"]} == {3.0}
+    assert result["runs"][0]["curve"] == [(2.0, 2.0, 0.4), (4.0, 4.0, 0.8)]  # seconds less the 3 s one-time cost
+    # adamw ends at 0.4, sgd at 0.8, kfac at 0.99 from step 4 (0.8 at step 2): the best peer is sgd, reached by
+    # kfac at its first evaluation, step 2 against sgd's 4.
+    assert peers.best_peer(result["summary"], higher_is_better=True) == "sgd"
+    assert peers.ratios(result["summary"], "kfac", "sgd") == {"steps": 0.5, "seconds": 0.5}
+    saved = json.loads((tmp_path / "peers_resnet.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(result["summary"]))
+    assert (tmp_path / "peers_resnet.png").stat().st_size > 0
+    assert "K-FAC to the best peer's (sgd) median final 0.8000: 0.50x its steps" in peers.table(saved)
