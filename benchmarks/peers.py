@@ -178,6 +178,20 @@ def parse_sets(assignments: Sequence[str], arms: Sequence[str]) -> dict[str, lis
     return out
 
 
+LAUNCHED = "launched.json"
+"""Written into a run's directory when its launch succeeded: its config, seed and arguments, and the load before."""
+
+
+def finished(out: Path, launched: dict[str, Any]) -> Optional[Path]:
+    """A run directory of ``out`` or of its siblings (other grids and runs under one ``--out``) whose successful
+    launch had exactly ``launched``'s config, seed and arguments."""
+    for record in sorted(out.parent.glob(f"*/*/{LAUNCHED}")):
+        saved = json.loads(record.read_text())
+        if all(saved.get(key) == value for key, value in launched.items()):
+            return record.parent
+    return None
+
+
 def run_arms(
     task_name: str,
     configs: dict[str, dict[str, Any]],
@@ -187,8 +201,10 @@ def run_arms(
     extra: Sequence[str],
     timeout: float,
     phase1: Optional[Path],
+    reuse: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every arm on every seed through the launcher, the arms' order rotated by one per seed."""
+    """Every arm on every seed through the launcher, the arms' order rotated by one per seed; with ``reuse``, a run
+    finished earlier under ``out``'s parent with the same config, seed and arguments is read instead of run again."""
     task = ttt.TASKS[task_name]
     (out / "configs").mkdir(parents=True, exist_ok=True)
     extra = list(extra)
@@ -200,11 +216,18 @@ def run_arms(
     for i, seed in enumerate(seeds):
         for arm in names[i % len(names) :] + names[: i % len(names)]:
             name = f"{arm}-seed{seed}"
-            path = out / "configs" / f"{name}.json"
-            path.write_text(json.dumps(configs[arm], indent=1))
-            load = os.getloadavg()[0]
-            ttt.launch(task, path, seed, out, name, extra, timeout)
-            metrics = out / name / "metrics.csv"
+            launched = {"config": configs[arm], "seed": seed, "extra": extra}
+            done = finished(out, launched) if reuse else None
+            reused = done is not None
+            if done is None:
+                path = out / "configs" / f"{name}.json"
+                path.write_text(json.dumps(configs[arm], indent=1))
+                load = os.getloadavg()[0]
+                ttt.launch(task, path, seed, out, name, extra, timeout)
+                (out / name / LAUNCHED).write_text(json.dumps({**launched, "load_before": load}, indent=1))
+                done = out / name
+            load = json.loads((done / LAUNCHED).read_text())["load_before"]
+            metrics = done / "metrics.csv"
             one_time = one_time_seconds(read_steps(metrics))
             curve = without_one_time(ttt.read_curve(metrics, task.metric), one_time)
             runs.append(
@@ -213,6 +236,7 @@ def run_arms(
                     "seed": seed,
                     "label": labels[arm],
                     "load_before": load,
+                    "reused": reused,
                     "one_time_seconds": one_time,
                     "curve": curve,
                 }
@@ -230,7 +254,9 @@ def launch_all(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """:func:`run_arms` with the command line's seeds, output, timeout and phase 1; also the example's arguments."""
     extra = list(ttt.TASKS[args.task].smoke_args if args.smoke else ()) + list(args.extra)
-    runs = run_arms(args.task, configs, labels, args.seeds, args.out / name, extra, args.timeout, args.phase1)
+    runs = run_arms(
+        args.task, configs, labels, args.seeds, args.out / name, extra, args.timeout, args.phase1, args.reuse
+    )
     return runs, extra
 
 
@@ -340,6 +366,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.add_argument("--smoke", action="store_true", help="a few steps per run: checks the machinery only")
         p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
         p.add_argument("--phase1", type=Path, help="bert: the phase-1 run directory (default: phase1.py's)")
+        p.add_argument(
+            "--reuse",
+            action="store_true",
+            help="read runs finished earlier under --out with the same config, seed and arguments instead "
+            "of running them again (resumes an interrupted grid; not for timing comparisons, which run side by side)",
+        )
         p.add_argument("extra", nargs="*", help="after --: arguments passed to the example")
     t = sub.add_parser("table", help="the Markdown table of a saved run")
     t.add_argument("results", type=Path, nargs="+")

@@ -131,7 +131,7 @@ def test_run_rotates_the_arms_per_seed_and_saves_the_table(monkeypatch: pytest.M
         for step in range(1, 5):  # 1 s a step, the first 3 s more (a compile)
             accuracy = f"{min(0.99, 0.2 * slope * step):.4f}" if step % 2 == 0 else ""
             rows.append(f"{step},{step},{step + 3.0},1.0,0.1,{accuracy},{'1.0' if accuracy else ''}")
-        (out / run_name).mkdir(parents=True)
+        (out / run_name).mkdir(parents=True, exist_ok=True)
         (out / run_name / "metrics.csv").write_text("\n".join(rows) + "\n")
 
     monkeypatch.setattr(peers.ttt, "launch", fake_launch)
@@ -147,6 +147,7 @@ def test_run_rotates_the_arms_per_seed_and_saves_the_table(monkeypatch: pytest.M
         timeout=1.0,
         phase1=None,
         extra=[],
+        reuse=False,
     )
     result = peers.run(args)
     assert order == ["sgd-seed0", "adamw-seed0", "kfac-seed0", "adamw-seed1", "kfac-seed1", "sgd-seed1"]
@@ -160,3 +161,12 @@ def test_run_rotates_the_arms_per_seed_and_saves_the_table(monkeypatch: pytest.M
     assert saved["summary"] == json.loads(json.dumps(result["summary"]))
     assert (tmp_path / "peers_resnet.png").stat().st_size > 0
     assert "K-FAC to the best peer's (sgd) median final 0.8000: 0.50x its steps" in peers.table(saved)
+    # With --reuse the finished runs (same config, seed, arguments) are read back, none launched again, and a
+    # changed config is launched.
+    order.clear()
+    args.reuse, args.name = True, "again"
+    (tmp_path / "again").symlink_to(tmp_path / "peers_resnet")
+    args.set = ["kfac:kfac.damping=0.2"]
+    again = peers.run(args)
+    assert order == ["kfac-seed0", "kfac-seed1"]
+    assert again["summary"]["sgd"] == result["summary"]["sgd"] and [r["reused"] for r in again["runs"]].count(True) == 4
