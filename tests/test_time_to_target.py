@@ -91,8 +91,11 @@ def test_overrides_and_curve_reading(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
-    """The real launcher path, a few steps per run: the JSON carries settings, versions, curves and the summary."""
+    """The real launcher path, a few steps per run: the JSON carries settings, versions, curves and the summary.
+    Both arms at a global batch of 64 (the configs' 1024 costs 16x the steps' time; nothing here depends on it)."""
     cmd = [sys.executable, str(ROOT / "benchmarks/time_to_target.py"), "run", "resnet", "--smoke"]
+    for option in ("--set", "--set-base"):
+        cmd += [option, "train_micro_batch_size_per_gpu=32", option, "gradient_accumulation_steps=1"]
     launch.run([cmd + ["--seeds", "0", "--out", str(tmp_path), "--timeout", "200"]], timeout=280)
     result = json.loads((tmp_path / "resnet.json").read_text())
     assert set(result) == {"task", "command", "settings", "configs", "versions", "runs", "summary"}
