@@ -14,6 +14,7 @@ from test_conventions import LAYERS, loss_fn, reference_step
 from test_conventions import _problem as conventions_problem
 from torch import nn
 
+import ds_kfac
 from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner
 from ds_kfac.optimizers import GROUP_KEY, Adam, Lamb, build_optimizer, split_groups
 
@@ -419,6 +420,8 @@ VARIANTS = {
 # All of the problem's parameters are K-FAC's: AdamW keeps no state for them, so the weights and K-FAC's state (with
 # the moments) are the whole state, which DeepSpeed's ZeRO 2 checkpoint cannot reload at another world size.
 RESUMABLE = {"optimizer": ADAMW, "zero_optimization": {"stage": 2}}
+RESUMED = {"ds": RESUMABLE, "kfac": {**KEYS, "grad_worker_fraction": "mem-opt"}, "steps": 6}
+"""The scenario saved after step 3 and resumed, on 2 ranks and on 1."""
 BF16 = {"optimizer": ADAMW, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
 NULL_SPACES = {"optimizer": ADAMW, "gradient_clipping": 1.0}
 ERRORS = {
@@ -459,16 +462,15 @@ def reference_run(
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """One launch: the variants, a checkpointed run and its resume, bf16 with a loss scale and with an overflow,
-    and the refusals."""
+    and the refusals (the resume on one rank runs in its test, in this process)."""
     import launch
 
     out = tmp_path_factory.mktemp("eigenbasis")
     ckpt = str(out / "ckpt")
-    resumable = {"ds": RESUMABLE, "kfac": {**KEYS, "grad_worker_fraction": "mem-opt"}}
     scenarios = {name: {"ds": ds, "kfac": {**KEYS, **keys}, "steps": STEPS} for name, (ds, keys) in VARIANTS.items()}
     scenarios.update(
-        straight={**resumable, "steps": 6, "save": {"dir": ckpt, "at": 3}},
-        resumed={**resumable, "steps": 6, "load": ckpt},
+        straight={**RESUMED, "save": {"dir": ckpt, "at": 3}},
+        resumed={**RESUMED, "load": ckpt},
         bf16={"ds": BF16, "kfac": KEYS, "steps": 4},
         bf16_scaled={"ds": BF16, "kfac": KEYS, "steps": 4, "loss_scale": 1024},
         bf16_overflow={"ds": BF16, "kfac": KEYS, "steps": 5, "nan_step": 2},
@@ -478,11 +480,7 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[d
     for name, (ds, _) in ERRORS.items():
         scenarios[f"error_{name}"] = {"ds": ds, "kfac": KEYS, "steps": 1, "expect_error": True}
     runs = launch.deepspeed_run(WORLD, out, list(scenarios.values()), timeout=400)
-    results = dict(zip(scenarios, runs))
-    alone = {**resumable, "steps": 6, "ga": GA * WORLD, "load_consolidated": ckpt}
-    (single,) = launch.deepspeed_run(1, out, [alone])
-    results["resumed_alone"] = single
-    return results
+    return {**dict(zip(scenarios, runs)), "ckpt": ckpt}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -520,17 +518,21 @@ def test_factors_with_null_spaces_two_ranks_equal_one_process(deepspeed_runs: di
     assert _relative_error(fp32, fp64) <= 1e-5
 
 
-def test_resume_is_bitwise_and_world_size_independent(deepspeed_runs: dict) -> None:
+def test_resume_is_bitwise_and_world_size_independent(deepspeed_runs: dict, one_rank: None) -> None:
     """Saved after step 3 of 6 (ZeRO 2, mem-opt: each layer's moments on one rank), resumed on 2 ranks: bit for
-    bit the straight run; on 1 rank with the same global batch (the weights through DeepSpeed's ``zero_to_fp32``,
-    K-FAC's state from its file): the single-process run."""
+    bit the straight run; on 1 rank (this process, ds_worker's scenario) with the same global batch (the weights
+    through DeepSpeed's ``zero_to_fp32``, K-FAC's state from its file): the single-process run."""
+    from workers import ds_worker
+
     straight, resumed = deepspeed_runs["straight"], deepspeed_runs["resumed"]
     for r in range(WORLD):
         assert all(torch.equal(a, b) for a, b in zip(straight[r]["params"], resumed[r]["params"]))
     saved = resumed[0]["kfac"]["layers"]
     assert all(entry["moments"]["step"] == 6 for entry in saved.values())
     expected = reference_run(RESUMABLE, {"grad_worker_fraction": "mem-opt"}, steps=6)
-    for got, want in zip(deepspeed_runs["resumed_alone"][0]["params"], expected):
+    ds_kfac.init_distributed()
+    alone = ds_worker.run({**RESUMED, "ga": GA * WORLD, "load_consolidated": deepspeed_runs["ckpt"]})
+    for got, want in zip(alone["params"], expected):
         torch.testing.assert_close(got, want, **FP32_TOL)
 
 

@@ -1,11 +1,9 @@
 """ZeRO stage 3 on real DeepSpeed engines, 2 CPU ranks over gloo, against single-process references.
 
-One module-scoped launch runs most scenarios; a second, single-rank one resumes a 2-rank checkpoint.
+One module-scoped launch runs most scenarios; a single rank in this process resumes a 2-rank checkpoint.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import launch
 import pytest
@@ -21,7 +19,9 @@ from test_deepspeed import (
     fp32_tolerance,
     reference,
 )
-from workers import problem
+from workers import ds_worker, problem
+
+import ds_kfac
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -166,12 +166,14 @@ def test_unsupported_combinations_are_refused(runs: dict) -> None:
         assert 'KFACConfigError: K-FAC does not support yet: kfac.fisher="sampled" at ZeRO stage 3' in result["error"]
 
 
-def test_resume_at_another_world_size(runs: dict, tmp_path: Path) -> None:
+def test_resume_at_another_world_size(runs: dict, one_rank: None) -> None:
     """The stage 3 checkpoint saved on 2 ranks after step 3 continues on 1 rank (the same global batch, by
     accumulation) as the single-process run does: its weights through DeepSpeed's ``zero_to_fp32`` (DeepSpeed
-    refuses ZeRO optimizer states at another world size; SGD keeps none), K-FAC's state from its own file."""
+    refuses ZeRO optimizer states at another world size; SGD keeps none), K-FAC's state from its own file. The
+    rank is this process (ds_worker's scenario, as a 1-rank launch runs it, without the launch's start-up)."""
     resume = {**SCENARIOS["allreduce"], "steps": STEPS, "ga": GA * WORLD, "load_consolidated": runs["ckpt"]}
-    ((single,),) = launch.deepspeed_run(1, tmp_path, [resume])
+    ds_kfac.init_distributed()
+    single = ds_worker.run(resume)
     expected, _ = reference(STEPS, grad_worker_fraction="mem-opt")
     assert single["kfac"]["steps"] == STEPS and single["micro_steps"] == (STEPS - SAVE_AT) * GA * WORLD
     for got, want in zip(single["params"], expected):
