@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import launch
 import pytest
 import torch
-from workers import problem
+from workers import ds_worker, problem
 
 import ds_kfac
 
@@ -82,9 +81,10 @@ REFUSED = {
 }
 
 
-def test_setups_and_checkpoints_through_real_engines(tmp_path: Path) -> None:
-    """One single-rank launch: refused setups, JSON LAMB under ZeRO 2 on CPU, the disabled
-    section, DeepSpeed's CSV monitor, and the errors of loading a checkpoint that does not fit."""
+def test_setups_and_checkpoints_through_real_engines(tmp_path: Path, one_rank: None) -> None:
+    """One rank, this process (ds_worker's scenarios, as a 1-rank launch runs them): refused setups, JSON LAMB under
+    ZeRO 2 on CPU, the disabled section, DeepSpeed's CSV monitor, and the errors of loading a checkpoint that does
+    not fit."""
     ckpt_plain, ckpt_kfac = str(tmp_path / "plain"), str(tmp_path / "kfac")
     lamb = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}}
@@ -100,7 +100,8 @@ def test_setups_and_checkpoints_through_real_engines(tmp_path: Path) -> None:
         {"steps": 3, "load": ckpt_plain, "expect_error": True},
         {"steps": 3, "load": ckpt_kfac, "expect_error": True},
     ]
-    results = [r[0] for r in launch.deepspeed_run(1, tmp_path, scenarios)]
+    ds_kfac.init_distributed()
+    results = [ds_worker.run(scenario) for scenario in scenarios]
     refused, (lamb_run, disabled, monitored, no_state, mismatch) = results[: len(REFUSED)], results[len(REFUSED) :]
     for (_, message), result in zip(REFUSED.values(), refused):
         assert result["error"] is not None and "KFACConfigError" in result["error"] and message in result["error"]
