@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import launch
 import pytest
@@ -33,16 +33,17 @@ def test_shutdown_is_a_no_op_without_distributed_and_idempotent_with_it(tmp_path
     assert not dist.is_initialized()
 
 
-def test_two_rank_job_ends_with_no_segment_and_no_process_group(tmp_path: Path) -> None:
+EXIT_SCENARIO = {"ds": {"zero_optimization": {"stage": 2}}, "kfac": {"grad_worker_fraction": 0.5}, "steps": 1}
+"""The last scenario of the 2-rank job: ZeRO 2, with K-FAC's own groups."""
+
+
+def test_two_rank_job_ends_with_no_segment_and_no_process_group(two_rank_job: dict[str, Any]) -> None:
     """Issue 14, item 13: a 2-rank K-FAC job under ZeRO 2 (DeepSpeed's groups and K-FAC's own) that
     ends with ds_kfac.shutdown() exits 0 on both ranks (launch.run raises otherwise), leaves no
     /dev/shm segment behind (checked before the launcher's own clean-up), and neither rank is still
-    initialized after the call."""
-    scenario = {"ds": {"zero_optimization": {"stage": 2}}, "kfac": {"grad_worker_fraction": 0.5}, "steps": 1}
-    left: list[Path] = []
-    launch.deepspeed_run(2, tmp_path, [scenario], timeout=120, left_segments=left)
-    exits = [json.loads((tmp_path / f"exit_rank{r}.json").read_text()) for r in range(2)]
-    assert left == []
+    initialized after the call (the job: conftest.py's, which ends with :data:`EXIT_SCENARIO`)."""
+    exits = two_rank_job["exits"]
+    assert two_rank_job["left"] == []
     assert [e["initialized"] for e in exits] == [False, False]
     assert [e["segment_left"] for e in exits] == [False, False]
     # The segments existed until shutdown (on CPU: GPU jobs create none), so the checks above are not vacuous.

@@ -1,12 +1,14 @@
-"""Layer registration robustness (issue 14): tied weights, frozen biases, channels_last convs, no layer at all."""
+"""Layer registration robustness (issue 14): tied weights, frozen biases, channels_last convs, no layer at all.
+
+The frozen-bias scenarios run in the 2-rank job that test_exit.py also checks (conftest.py).
+"""
 
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
-import launch
 import pytest
 import reference as ref
 import torch
@@ -153,17 +155,25 @@ def test_frozen_bias_preconditions_the_weight_without_the_bias_column() -> None:
     assert torch.equal(model[4].bias.grad, bias_grad)
 
 
-def test_frozen_bias_under_deepspeed_zero0_and_zero2(tmp_path) -> None:
+FREEZE = ["0.bias", "4.weight"]
+FROZEN_SCENARIOS = [
+    {
+        "ds": {"zero_optimization": {"stage": stage}},
+        "kfac": {"kl_clip": None, "damping": DAMPING, "factor_update_steps": 1, "inv_update_steps": 1},
+        "steps": 1,
+        "freeze": FREEZE,
+    }
+    for stage in (0, 2)
+]
+"""ds_worker scenarios of the frozen-parameter test, run in the 2-rank job of conftest.py."""
+
+
+def test_frozen_bias_under_deepspeed_zero0_and_zero2(two_rank_job: dict[str, Any]) -> None:
     """issue 14, item 4: the same under DeepSpeed, ZeRO 0 and ZeRO 2 on 2 ranks (micro-batch 2, 2 accumulation
     steps): one SGD step moves each weight by ``-lr P(g)`` of the float64 reference on the global batch, with the
     frozen bias left out of ``A``, and the bias of a frozen weight by ``-lr g``."""
-    lr, world, micro, ga = 0.1, 2, 2, 2
-    kfac = {"kl_clip": None, "damping": DAMPING, "factor_update_steps": 1, "inv_update_steps": 1}
-    freeze = ["0.bias", "4.weight"]
-    scenarios = [
-        {"ds": {"zero_optimization": {"stage": stage}}, "kfac": kfac, "steps": 1, "freeze": freeze} for stage in (0, 2)
-    ]
-    runs = launch.deepspeed_run(world, tmp_path, scenarios)
+    lr, world, micro, ga, freeze = 0.1, 2, 2, 2, FREEZE
+    runs = two_rank_job["frozen"]
     model = problem.make_model()
     for name, param in model.named_parameters():
         param.requires_grad_(name not in freeze)
