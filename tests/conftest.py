@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import launch
@@ -39,3 +41,25 @@ def engines(one_rank: None) -> Iterator[list[Any]]:
     yield built
     for engine in built:
         engine.destroy()
+
+
+EASGD_JOB = ("test_easgd", "test_ranks")
+"""The modules (test_easgd.py, robustness/test_ranks.py) whose scenarios share one 2-rank launch of
+``robustness/ranks_worker.py`` (it runs easgd_worker's scenarios and its own), each providing ``job_scenarios(out)``;
+test_ranks's refusals come last."""
+
+
+@pytest.fixture(scope="session")
+def easgd_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """One launch's start-up instead of one per module: the scenarios of those :data:`EASGD_JOB` modules this
+    session imported (collected), in that order; per module (by ``__name__``), each scenario's per-rank results."""
+    out = tmp_path_factory.mktemp("easgd_job")
+    parts = {}
+    for name in EASGD_JOB:
+        module = sys.modules.get(name)
+        if module is not None:
+            parts[module.__name__] = module.job_scenarios(out / module.__name__)
+    scenarios = [s for part in parts.values() for s in part.values()]
+    worker = Path(__file__).parent / "robustness" / "ranks_worker.py"
+    results = iter(launch.deepspeed_run(2, out, scenarios, worker=worker, timeout=280))
+    return {name: {key: next(results) for key in part} for name, part in parts.items()}

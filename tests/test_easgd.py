@@ -8,7 +8,6 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import launch
 import pytest
 import torch
 from workers import problem
@@ -43,17 +42,20 @@ RESUMED = ("momentum_period2_no_overlap", "kfac", "bf16")
 yet), and resumed from there as ``<name>_resumed``."""
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """One launch: every scenario, then the saved ones resumed from their checkpoints."""
-    out = tmp_path_factory.mktemp("easgd")
+def job_scenarios(out: Path) -> dict[str, dict[str, Any]]:
+    """This module's part of conftest.py's EASGD job: every scenario, then the saved ones resumed from their
+    checkpoints (under ``out``)."""
     scenarios = {name: {**s, "steps": STEPS, "micro": MICRO} for name, s in copy.deepcopy(SCENARIOS).items()}
     for name in RESUMED:
         scenarios[f"{name}_resumed"] = {**scenarios[name], "load": str(out / name)}
         scenarios[name]["save"] = {"dir": str(out / name), "at": 3}
-    worker = launch.WORKERS / "easgd_worker.py"
-    results = launch.deepspeed_run(WORLD, out, list(scenarios.values()), worker=worker, timeout=240)
-    return dict(zip(scenarios, results))
+    return scenarios
+
+
+@pytest.fixture(scope="module")
+def runs(easgd_job: dict[str, dict[str, list[dict]]]) -> dict[str, list[dict]]:
+    """Each scenario's per-rank results, from the 2-rank launch shared with robustness/test_ranks.py."""
+    return easgd_job[__name__]
 
 
 def local_batches(step: int, rank: int, ga: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

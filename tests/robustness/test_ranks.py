@@ -1,5 +1,6 @@
 """Faults that involve several ranks (issue 22, items 3, 5 and 6): one launch of the real ``deepspeed`` launcher on
-2 CPU ranks (``ranks_worker.py``), after a one-rank EASGD checkpoint is saved in this process.
+2 CPU ranks (``ranks_worker.py``, shared with test_easgd.py: see conftest.py), after a one-rank EASGD checkpoint is
+saved in this process.
 
 * an EASGD checkpoint of world size 1 resumed at 2: rank 1, which has no file, says the checkpoint's world size
   (before: "no easgd_rank1.pt (saved without EASGD?)");
@@ -41,18 +42,21 @@ def _save_at_world_size_one(path: Path) -> None:
         ds_kfac.shutdown()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("ranks")
+def job_scenarios(out: Path) -> dict[str, dict[str, Any]]:
+    """This module's part of conftest.py's EASGD job (``ranks_worker.py`` runs it), after the one-rank checkpoint
+    it resumes is saved under ``out``."""
     _save_at_world_size_one(out / "easgd1")
-    scenarios = {
+    return {
         "resumed at world size 2": {**EASGD, "easgd": {"rho": 0.5}, "load": str(out / "easgd1"), "expect_error": 1},
         "overshooting": {**EASGD, "easgd": {"rho": 6.0}},  # 2 * 0.1 * 6 = 1.2
         "diverging": {**EASGD, "easgd": {"rho": 7.0}, "expect_error": 1},  # 2 * 0.1 * 7 = 1.4 >= 4/3
         "frozen per rank": {"freeze": FROZEN, "expect_error": 1},
     }
-    results = launch.deepspeed_run(2, out, list(scenarios.values()), worker=Path(__file__).parent / "ranks_worker.py")
-    return dict(zip(scenarios, results))
+
+
+@pytest.fixture(scope="module")
+def runs(easgd_job: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, list[dict[str, Any]]]:
+    return easgd_job[__name__]
 
 
 def test_an_easgd_checkpoint_resumed_at_another_world_size_names_it(runs) -> None:
