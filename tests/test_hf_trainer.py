@@ -1,4 +1,5 @@
-"""``ds_kfac.hf.KFACTrainer`` (Hugging Face Trainer) under the real deepspeed launcher, 1 and 2 CPU ranks over gloo.
+"""``ds_kfac.hf.KFACTrainer`` (Hugging Face Trainer) on 1 CPU rank (in this process) and 2 (the real deepspeed
+launcher, gloo).
 
 The reference is the same model, data, seed and config trained through ``ds_kfac.initialize`` by hand
 (``workers/hf_worker.py``): Trainer must run exactly that engine, one K-FAC step per optimizer step.
@@ -32,7 +33,7 @@ EIGENBASIS_WORLDS = {2}  # a JSON AdamW with "eigenbasis_moments": true likewise
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, list]]:
-    """One launch per world size: Trainer for STEPS steps (checkpoints every SAVE), Trainer resumed from
+    """One launch per world size (world 1: this process): Trainer for STEPS steps (checkpoints every SAVE), Trainer resumed from
     ``checkpoint-SAVE``, and the direct ``ds_kfac.initialize`` run."""
     world = request.param
     out = tmp_path_factory.mktemp(f"hf_world{world}")
@@ -51,8 +52,26 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if world in EIGENBASIS_WORLDS:
         scenarios["eigenbasis_trainer"] = {"run": "trainer", "eigenbasis": True, **common}
         scenarios["eigenbasis_direct"] = {"run": "direct", "eigenbasis": True, **common}
-    results = launch.deepspeed_run(world, out, list(scenarios.values()), worker=launch.WORKERS / "hf_worker.py")
+    if world == 1:
+        results = [[result] for result in _one_rank_here(list(scenarios.values()))]
+    else:
+        results = launch.deepspeed_run(world, out, list(scenarios.values()), worker=launch.WORKERS / "hf_worker.py")
     return world, dict(zip(scenarios, results))
+
+
+def _one_rank_here(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``hf_worker``'s scenarios on one rank in this process (as a 1-rank launch runs them, without its start-up),
+    in the launcher's environment (and ``ACCELERATE_USE_DEEPSPEED``, which Trainer sets) restored afterwards."""
+    from workers import hf_worker
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {**launch.one_rank_env(), "ACCELERATE_USE_DEEPSPEED": "false"}.items():
+            env.setenv(key, value)
+        ds_kfac.init_distributed()
+        try:
+            return [hf_worker.run(scenario) for scenario in scenarios]
+        finally:
+            ds_kfac.shutdown()
 
 
 def test_kfac_steps_equal_trainer_global_steps(runs: tuple[int, dict]) -> None:

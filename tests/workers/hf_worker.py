@@ -185,7 +185,10 @@ def run_direct(scenario: dict, world: int) -> dict:
     }
 
 
+def run(scenario: dict) -> dict:
+    """The scenario's ``run`` at this job's world size."""
+    return (run_direct if scenario["run"] == "direct" else run_trainer)(scenario, dist.get_world_size())
+
+
 if __name__ == "__main__":
-    ds_worker.main(
-        lambda scenario: (run_direct if scenario["run"] == "direct" else run_trainer)(scenario, dist.get_world_size())
-    )
+    ds_worker.main(run)
