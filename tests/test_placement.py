@@ -1,7 +1,7 @@
 """Placement modes: the plan (determinism, balance) and distributed runs at world sizes 1, 2 and 4.
 
-Distributed runs use standalone K-FAC under DDP (``workers/ddp_worker.py``, torchrun, gloo)
-and are compared with single-process references on the concatenated global batch.
+Distributed runs use standalone K-FAC under DDP (``workers/ddp_worker.py``, torchrun, gloo; world size 1 on one rank
+in this process) and are compared with single-process references on the concatenated global batch.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import launch
 import pytest
 import torch
 from test_deepspeed import FP32_TOL_BATCHNORM
-from workers import problem
+from workers import ddp_worker, problem
 
+import ds_kfac
 from ds_kfac import KFACConfigError, KFACPreconditioner
 from ds_kfac.comm import OrderedBuckets
 from ds_kfac.placement import LayerShape, PlacementPlan, lpt, workers_per_layer
@@ -253,11 +254,43 @@ def scenarios(world: int) -> dict[str, dict]:
     return runs
 
 
+# Two forward/backward passes in one step with accumulation_steps=1 (test_a_pass_after_the_factors_were_sent_is_an_error);
+# it runs last in the 2-rank launch, after the scenarios of world_runs.
+TWO_PASSES = {"kfac": KFAC, "steps": 1, "per_rank": PER_RANK, "passes": 2, "expect_error": True}
+
+
+def in_process(runs: list[dict]) -> list[list[dict]]:
+    """``workers/ddp_worker.py``'s scenarios on one rank in this process (as a 1-rank torchrun runs them, without its
+    start-up): the launcher's environment, one intra-op thread as the worker sets, both restored afterwards."""
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in launch.one_rank_env().items():
+            env.setenv(key, value)
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo")
+        try:
+            return [[ddp_worker.run(run)] for run in runs]
+        finally:
+            ds_kfac.shutdown()
+            torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """The 2-rank torchrun: world_runs's scenarios, then :data:`TWO_PASSES`."""
+    return launch.torchrun(2, tmp_path_factory.mktemp("world2"), [*scenarios(2).values(), TWO_PASSES])
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
 def world_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
     world = request.param
     runs = scenarios(world)
-    results = launch.torchrun(world, tmp_path_factory.mktemp(f"world{world}"), list(runs.values()))
+    if world == 1:
+        results = in_process(list(runs.values()))
+    elif world == 2:
+        results = request.getfixturevalue("two_rank_launch")[: len(runs)]
+    else:
+        results = launch.torchrun(world, tmp_path_factory.mktemp(f"world{world}"), list(runs.values()))
     return world, dict(zip(runs, results))
 
 
@@ -297,11 +330,11 @@ def test_factor_reduction_overlaps_backward_with_the_same_result(world_runs) -> 
             assert torch.equal(with_overlap["params"][step], without["params"][step])
 
 
-def test_a_pass_after_the_factors_were_sent_is_an_error(tmp_path) -> None:
-    """Two forward/backward passes in one step with accumulation_steps=1: the second pass's
-    statistics would arrive after the first pass's factors were sent, so it raises, naming the layer."""
-    scenario = {"kfac": KFAC, "steps": 1, "per_rank": PER_RANK, "passes": 2, "expect_error": True}
-    for result in launch.torchrun(2, tmp_path, [scenario])[0]:
+def test_a_pass_after_the_factors_were_sent_is_an_error(two_rank_launch) -> None:
+    """Two forward/backward passes in one step with accumulation_steps=1 (:data:`TWO_PASSES`, on 2 ranks): the second
+    pass's statistics would arrive after the first pass's factors were sent, so it raises, naming the layer."""
+    assert len(two_rank_launch) == len(scenarios(2)) + 1
+    for result in two_rank_launch[-1]:
         assert "K-FAC layer '" in result["error"] and "overlap_factor_comm" in result["error"]
 
 
