@@ -56,22 +56,42 @@ def test_resnet_depth_checked() -> None:
         resnet.ResNet(10, 3, 10)
 
 
-@pytest.mark.parametrize("config", ["resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_cpu.json"])
-def test_resnet_example_learns_on_two_ranks(tmp_path: Path, config: str) -> None:
+RESNET_CONFIGS = ["resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_cpu.json"]
+
+
+@pytest.fixture(scope="module")
+def resnet_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each of :data:`RESNET_CONFIGS` through the real entry point under the deepspeed launcher (2 ranks), the three
+    launches side by side (one 2-core machine: each launcher's start-up, one process at a time, overlaps another's
+    training): per config, its output directory."""
+    out, cmds, ports = {}, [], set()
+    while len(ports) < len(RESNET_CONFIGS):  # a port each: the launches run at the same time
+        ports.add(launch.free_port())
+    for config, port in zip(RESNET_CONFIGS, sorted(ports)):
+        tmp_path = out[config] = tmp_path_factory.mktemp(Path(config).stem)
+        small = {**json.loads((ROOT / "configs" / config).read_text())}
+        small.update(train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
+        small.get("kfac", {}).pop("factor_micro_batches", None)
+        small["scheduler"]["params"].update(warmup_max_lr=0.2, warmup_num_steps=10, total_num_steps=110)
+        small["optimizer"]["params"]["lr"] = 0.2
+        (tmp_path / config).write_text(json.dumps(small))
+        cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+        script = [str(ROOT / "examples/resnet/train.py"), "--deepspeed_config", str(tmp_path / config)]
+        script += ["--data", "digits"]
+        results = tmp_path / "results.jsonl"
+        extra = ["--steps", "30", "--eval-every", "10", "--results", str(results), "--output-dir", str(tmp_path)]
+        cmds.append(cmd + script + extra)
+    launch.run(cmds, timeout=280)
+    return out
+
+
+@pytest.mark.parametrize("config", RESNET_CONFIGS)
+def test_resnet_example_learns_on_two_ranks(resnet_runs: dict[str, Path], config: str) -> None:
     """The real entry point under the deepspeed launcher, each shipped config at a global batch of 64 on the
     small embedded data set (``--data digits``, hard variant): 30 steps lift held-out accuracy far above
     chance (0.1), and metrics.csv holds the timed curve the benchmark reads."""
+    tmp_path = resnet_runs[config]
     results = tmp_path / "results.jsonl"
-    small = {**json.loads((ROOT / "configs" / config).read_text())}
-    small.update(train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
-    small.get("kfac", {}).pop("factor_micro_batches", None)
-    small["scheduler"]["params"].update(warmup_max_lr=0.2, warmup_num_steps=10, total_num_steps=110)
-    small["optimizer"]["params"]["lr"] = 0.2
-    (tmp_path / config).write_text(json.dumps(small))
-    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
-    script = [str(ROOT / "examples/resnet/train.py"), "--deepspeed_config", str(tmp_path / config), "--data", "digits"]
-    extra = ["--steps", "30", "--eval-every", "10", "--results", str(results), "--output-dir", str(tmp_path)]
-    launch.run([cmd + script + extra], timeout=240)
     (line,) = results.read_text().splitlines()
     metrics = json.loads(line)
     print(f"\n{config}: held-out accuracy {metrics['accuracy']:.4f} after {metrics['steps']} steps")
