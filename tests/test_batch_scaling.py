@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import launch
 import pytest
 
 ROOT = Path(__file__).parents[1]
@@ -67,12 +66,18 @@ def test_best_points_pick_each_arms_fastest_learning_rate_and_take_medians_over_
     assert "| 256 (128 x 1 x 2) | 0.2 | 64 | 6.4 | 0.2 | 36 | 3.6 | 0.56 | 0.56 | 3 |" in bs.table(result)
 
 
-@pytest.mark.timeout(300)
-def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
-    """The real launcher path at one batch, a few steps per run: the JSON carries every curve and the best points."""
+def smoke_command(out: Path) -> list[str]:
+    """The smoke run at one batch (tests/conftest.py's ``resnet_smoke`` runs it beside test_time_to_target's)."""
     cmd = [sys.executable, str(ROOT / "benchmarks/batch_scaling.py"), "run", "resnet", "--smoke", "--batches", "64"]
-    cmd += ["--lrs", "0.1", "--steps", "4", "--evaluations", "2", "--target", "0.0", "--out", str(tmp_path)]
-    launch.run([cmd + ["--timeout", "200"]], timeout=280)
+    cmd += ["--lrs", "0.1", "--steps", "4", "--evaluations", "2", "--target", "0.0", "--out", str(out)]
+    return cmd + ["--timeout", "200"]
+
+
+@pytest.mark.timeout(300)
+def test_smoke_run_writes_the_documented_json(resnet_smoke: dict[str, Path]) -> None:
+    """The real launcher path at one batch, a few steps per run (:func:`smoke_command`): the JSON carries every curve
+    and the best points."""
+    tmp_path = resnet_smoke[__name__]
     result = json.loads((tmp_path / "batch_scaling_resnet.json").read_text())
     assert set(result) == {"task", "command", "settings", "versions", "runs", "best", "ratios"}
     assert [(r["arm"], r["batch"], r["lr"], r["steps"]) for r in result["runs"]] == [
