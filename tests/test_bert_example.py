@@ -19,16 +19,21 @@ ROOT = Path(__file__).parents[1]
 def pretrain(config: str, out: Path, *extra: str) -> None:
     """The example with a shipped config at a small batch (micro-batch 8, accumulation 2: the large-batch demo's
     shapes would make the test 8x slower; K-FAC then gathers factors from every micro-batch), under its own name."""
+    launch.run([pretrain_cmd(config, out, launch.free_port(), *extra)], timeout=300)
+
+
+def pretrain_cmd(config: str, out: Path, port: int, *extra: str) -> list[str]:
+    """:func:`pretrain`'s command, its deepspeed launcher on ``port``."""
     small = json.loads((ROOT / "configs" / config).read_text())
     small.update(train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=2)
     small.get("kfac", {}).pop("factor_micro_batches", None)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "configs" / config).write_text(json.dumps(small))
-    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
+    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
     script = [str(ROOT / "examples/bert/pretrain.py"), "--deepspeed_config", str(out / "configs" / config)]
     # The small corpus: the default one costs ~30 s to build and ~20 s per rank and launch to cut into pairs.
     script += ["--corpus", "stdlib"]
-    launch.run([cmd + script + ["--output-dir", str(out), *extra]], timeout=300)
+    return cmd + script + ["--output-dir", str(out), *extra]
 
 
 def metrics(out: Path, run: str) -> list[dict[str, str]]:
@@ -65,9 +70,22 @@ def test_phase1_then_phase2_from_its_checkpoint(phase1_run: Path) -> None:
     ckpt = str(tmp_path / "bert_cpu_phase1_kfac")
     # Only their first training losses are compared: one held-out micro-batch at the end (of the default 32) will do.
     phase2 = ("--max-steps", "2", "--eval-batches", "1")
-    pretrain("bert_cpu_phase2_kfac.json", tmp_path, *phase2, "--init-checkpoint", ckpt, "--run-name", "from_phase1")
-    pretrain("bert_cpu_phase2_kfac.json", tmp_path, *phase2, "--run-name", "from_scratch")
-    first = {run: float(metrics(tmp_path, run)[0]["loss"]) for run in ("from_phase1", "from_scratch")}
+    # Both launches side by side (one's launcher start-up overlaps the other's ranks): the fresh model in a directory
+    # of its own (each run's rank 0 rewrites its output directory's summary.txt and loss.png from every run there)
+    # with phase 1's caches (--cache-dir: nothing is built, only read).
+    scratch = tmp_path / "scratch"
+    ports = set()
+    while len(ports) < 2:
+        ports.add(launch.free_port())
+    port, other = sorted(ports)
+    from_phase1 = pretrain_cmd(
+        "bert_cpu_phase2_kfac.json", tmp_path, port, *phase2, "--init-checkpoint", ckpt, "--run-name", "from_phase1"
+    )
+    from_scratch = pretrain_cmd("bert_cpu_phase2_kfac.json", scratch, other, *phase2, "--run-name", "from_scratch")
+    launch.run([from_phase1, from_scratch + ["--cache-dir", str(tmp_path)]], timeout=300)
+    first = {
+        run: float(metrics(out, run)[0]["loss"]) for out, run in ((tmp_path, "from_phase1"), (scratch, "from_scratch"))
+    }
     # Phase 2 starts where phase 1 ended (its last training losses: one batch of 32 varies by about 0.2), well below
     # a fresh model.
     ended = sum(float(r["loss"]) for r in phase1[-5:]) / 5
