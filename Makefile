@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # its lock held). This project's commands, and the launches its tests make, use the venv's own directory.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: demo bert-phase1 demo-digits demo-resnet demo-gpt test venv clean
+.PHONY: demo demo-peers bert-phase1 demo-digits demo-resnet demo-gpt test venv clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,15 @@ demo: $(STAMP)
 	$(BERT) --deepspeed_config configs/bert_cpu_phase2_base.json --init-checkpoint $$phase1 && \
 	$(BERT) --deepspeed_config configs/bert_cpu_phase2_kfac.json --init-checkpoint $$phase1
 	$(TTT) runs/demo/bert_cpu_phase2_base runs/demo/bert_cpu_phase2_kfac --metric held_out_mlm_loss
+
+# The best tuned peer of the BERT demo (benchmarks/peers.py; docs/convergence.md has every peer's grid) from the same
+# phase-1 checkpoint, then its time to target beside K-FAC's: the steps and seconds K-FAC needs to reach the peer's
+# final held-out loss (after make demo, which trained the K-FAC run).
+PEER := configs/bert_cpu_phase2_soap.json
+demo-peers: $(STAMP)
+	phase1=$$($(PHASE1)) && $(BERT) --deepspeed_config $(PEER) --init-checkpoint $$phase1
+	test -f runs/demo/bert_cpu_phase2_kfac/metrics.csv || $(MAKE) demo
+	$(TTT) runs/demo/$(basename $(notdir $(PEER))) runs/demo/bert_cpu_phase2_kfac --metric held_out_mlm_loss
 
 # The other examples: a CNN on scikit-learn's digits (standalone K-FAC) and ResNet with DeepSpeed
 # (SGD and SGD+K-FAC, compared on held-out accuracy as the BERT demo is on held-out loss).

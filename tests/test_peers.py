@@ -170,3 +170,24 @@ def test_run_rotates_the_arms_per_seed_and_saves_the_table(monkeypatch: pytest.M
     again = peers.run(args)
     assert order == ["kfac-seed0", "kfac-seed1"]
     assert again["summary"]["sgd"] == result["summary"]["sgd"] and [r["reused"] for r in again["runs"]].count(True) == 4
+
+
+def test_committed_results_are_what_their_runs_give() -> None:
+    """benchmarks/results/peers/: each grid's ranking and each run's summary follow from the stored curves, and
+    each names its command."""
+    results = sorted((ROOT / "benchmarks/results/peers").glob("*.json"))
+    assert any(p.stem.startswith("grid_bert_") for p in results)
+    for path in results:
+        result = json.loads(path.read_text())
+        assert result["command"].startswith("python benchmarks/peers.py ")
+        higher = result["settings"]["higher_is_better"]
+        curves: dict[str, list] = {}
+        for run in result["runs"]:
+            curves.setdefault(run["arm"], []).append(run["curve"])
+        if "summary" in result:  # a side-by-side run
+            assert peers.summarize(curves, higher) == result["summary"], path.name
+        else:  # a grid: points ranked by their runs' median final
+            finals = {n: p["median_final"] for n, p in result["points"].items()}
+            for n, point in result["points"].items():
+                assert point["median_final"] == peers.statistics.median(c[-1][2] for c in curves[point["key"]])
+            assert result["ranked"] == sorted(finals, key=finals.__getitem__, reverse=higher), path.name
