@@ -47,9 +47,9 @@ def build_client_optimizer(section: dict[str, Any], params: Iterable[Any], seed:
 
 
 def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> None:
-    """Run each ``optimizer.step()`` with torch's, NumPy's and Python's generators seeded from ``(seed, step)``
-    and restored afterwards, so random draws inside the step agree across ranks and leave the caller's streams
-    (dropout, data order) as they were. The step count lives in the first param group (``STEP_KEY``), so it is
+    """Run each ``optimizer.step()`` with torch's (CPU and CUDA), NumPy's and Python's generators seeded from
+    ``(seed, step)`` and restored afterwards, so random draws inside the step agree across ranks and leave the
+    caller's streams (dropout, data order) as they were. The step count lives in the first param group (``STEP_KEY``), so it is
     saved with the optimizer's state and a resumed run draws what the uninterrupted one would."""
     saved: dict[str, Any] = {}
     optimizer.param_groups[0].setdefault(STEP_KEY, 0)
@@ -58,6 +58,8 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
         import numpy as np
 
         saved.update(torch=torch.random.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+        if torch.cuda.is_initialized():  # manual_seed seeds every CUDA device too: the caller's dropout streams
+            saved.update(cuda=torch.cuda.get_rng_state_all())
         step_seed = (seed * 1_000_003 + opt.param_groups[0][STEP_KEY]) % 2**31
         torch.manual_seed(step_seed)
         np.random.seed(step_seed)
@@ -69,6 +71,8 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
         torch.random.set_rng_state(saved["torch"])
         np.random.set_state(saved["numpy"])
         random.setstate(saved["python"])
+        if "cuda" in saved:
+            torch.cuda.set_rng_state_all(saved.pop("cuda"))
         opt.param_groups[0][STEP_KEY] += 1
 
     optimizer.register_step_pre_hook(before)
