@@ -49,8 +49,9 @@ def build_client_optimizer(section: dict[str, Any], params: Iterable[Any], seed:
 def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> None:
     """Run each ``optimizer.step()`` with torch's (CPU and CUDA), NumPy's and Python's generators seeded from
     ``(seed, step)`` and restored afterwards, so random draws inside the step agree across ranks and leave the
-    caller's streams (dropout, data order) as they were. The step count lives in the first param group (``STEP_KEY``), so it is
-    saved with the optimizer's state and a resumed run draws what the uninterrupted one would."""
+    caller's streams (dropout, data order) as they were. The step count lives in the first param group
+    (``STEP_KEY``), so it is saved with the optimizer's state and a resumed run draws what the uninterrupted one
+    would."""
     saved: dict[str, Any] = {}
     optimizer.param_groups[0].setdefault(STEP_KEY, 0)
 
