@@ -130,6 +130,8 @@ class KFACConfig(BaseModel):
     fisher: Literal["empirical", "sampled"] = "empirical"
     batchnorm: Literal["none", "unit-wise"] = "none"
     eigenbasis_moments: bool = False
+    eigenbasis_max_dim: Optional[_number(POSITIVE_INTEGER)] = None
+    tied_layers: Literal["skip", "precondition"] = "skip"
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"
@@ -199,6 +201,20 @@ class KFACConfig(BaseModel):
                 f"normalised direction, sized by the base optimizer's learning rate and LAMB's trust ratio): set "
                 f"kl_clip to null or leave it out"
             )
+        return v
+
+    @field_validator("eigenbasis_max_dim", "tied_layers")
+    @classmethod
+    def _needs_moments(cls, v: Any, info: ValidationInfo) -> Any:
+        # Declared after eigenbasis_moments, so it is in info.data when it is valid.
+        if v not in (None, "skip") and info.data.get("eigenbasis_moments") is not True:
+            why = {
+                "eigenbasis_max_dim": "a side left in the parameter basis has no curvature to precondition with; "
+                "only the base optimizer's moments can be kept in a one-sided basis",
+                "tied_layers": "a tied weight's gradient sums every use, which one layer's factors do not describe "
+                "for P(g); the moments only need an orthogonal basis",
+            }[info.field_name]
+            raise ValueError(f"{v!r} needs eigenbasis_moments: true ({why})")
         return v
 
     @model_validator(mode="before")

@@ -14,6 +14,7 @@ from .decomposition import (
 from .factors import KroneckerFactor, RunningAverage
 from .fisher import FisherLoss, sampled_loss
 from .numerics import all_finite, curvature_floor
+from .onesided import OneSidedBlock, OneSidedEigen
 from .refresh import AdaptiveRefresh
 from .unitwise import UnitFisher, UnitWiseBlock, UnitWiseInverse
 
@@ -30,6 +31,8 @@ __all__ = [
     "InverseDecomposition",
     "KFACBlock",
     "KroneckerFactor",
+    "OneSidedBlock",
+    "OneSidedEigen",
     "RunningAverage",
     "StackedStates",
     "UnitFisher",

@@ -18,7 +18,7 @@ that choice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -99,23 +99,34 @@ def step_moments(moments: Sequence[EigenbasisMoments], rotated: torch.Tensor, ru
 
 
 def eigenbasis_directions(
-    qa: torch.Tensor,
-    qg: torch.Tensor,
+    qa: Optional[torch.Tensor],
+    qg: Optional[torch.Tensor],
     grads: torch.Tensor,
     moments: Sequence[EigenbasisMoments],
     rule: MomentRule,
     rounding: float,
 ) -> torch.Tensor:
     """``Q_G d' Q_A^T`` for stacked gradients ``grads`` rotated into their layers' bases ``(Q_A, Q_G)``, ``d'`` the
-    direction of :func:`step_moments`.
+    direction of :func:`step_moments`. A basis ``None`` is the identity (a one-sided block's other side).
 
     A rotated entry ``r_ij`` with ``|r_ij| <= FLUSH rounding (|Q_G|^T |g| |Q_A|)_ij`` is taken as 0 (``rounding``:
     the unit roundoff of the gradient, the factors and the rotation, the coarsest): it is within the rounding
     error of ``g``'s sums and of the rotation, as the entries of a gradient along a factor's null space are (0 in
     exact arithmetic), and Adam's division would scale that noise up to about ``noise / eps``, differently for
     every reduction order (2 ranks against one process)."""
-    g = grads.to(qa.dtype)
-    rotated = qg.mT @ g @ qa
-    bound = qg.abs().mT @ g.abs() @ qa.abs()
+    g = grads.to((qa if qa is not None else qg).dtype)
+    rotated, bound = _rotate(g, qa, qg, lambda q: q.mT), _rotate(g.abs(), qa, qg, lambda q: q.abs().mT)
     rotated = rotated.masked_fill(rotated.abs() <= FLUSH * rounding * bound, 0.0)
-    return qg @ step_moments(moments, rotated, rule) @ qa.mT
+    return _rotate(step_moments(moments, rotated, rule), qa, qg, lambda q: q)
+
+
+def _rotate(
+    x: torch.Tensor, qa: Optional[torch.Tensor], qg: Optional[torch.Tensor], f: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``f(Q_G) x f(Q_A)^T``, a ``None`` basis skipped as the identity (``f`` transposes to rotate into the basis,
+    takes magnitudes for the rounding bound, is the identity to rotate back)."""
+    if qg is not None:
+        x = f(qg) @ x
+    if qa is not None:
+        x = x @ f(qa).mT
+    return x

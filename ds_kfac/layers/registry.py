@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Optional
 
 from torch import nn
 
@@ -75,6 +75,8 @@ def find_layers(
     warn: bool = True,
     tensor_parallel_factors: TensorParallelFactors = "exact",
     batchnorm: bool = False,
+    tied: bool = False,
+    one_sided_dim: Optional[int] = None,
 ) -> tuple[list[tuple[str, LayerAdapter]], list[SkippedLayer]]:
     """Adapters for the model's supported modules, in ``named_modules`` order,
     and the supported modules that were skipped, with why. Conv2d adapters get
@@ -82,7 +84,12 @@ def find_layers(
     ``tensor_parallel_factors`` (:mod:`ds_kfac.layers.tensor_parallel`). With
     ``batchnorm``, ``nn.BatchNorm1d``/``nn.BatchNorm2d`` layers with affine
     parameters (and their subclasses) are registered too, for the unit-wise
-    natural gradient.
+    natural gradient. With ``tied`` (``tied_layers: "precondition"``), a layer
+    whose parameters other modules also hold is registered, unless another
+    registered layer holds one of them too. With ``one_sided_dim``
+    (``eigenbasis_max_dim``), a side larger than it is left in the parameter
+    basis, so only the other must fit ``max_factor_dim``; a layer with both
+    sides larger is skipped.
 
     A module is skipped when its name matches one of ``skip_layers`` (``re.search``),
     when its weight is frozen (a frozen bias alone is left out of the layer's
@@ -101,7 +108,7 @@ def find_layers(
     owners = _owners(model)
     layers: list[tuple[str, LayerAdapter]] = []
     skipped: list[SkippedLayer] = []
-    tied: list[SkippedLayer] = []
+    tied_skips: list[SkippedLayer] = []
     for name, module in model.named_modules():
         adapter_cls = adapter_for(module)
         if adapter_cls is None and batchnorm and isinstance(module, BATCHNORMS) and module.affine:
@@ -125,19 +132,49 @@ def find_layers(
             skipped.append(
                 SkippedLayer(name, FROZEN_WEIGHT if adapter.has_bias else "frozen (no parameter requires grad)")
             )
-        elif max(adapter.a_dim, adapter.g_dim) > max_factor_dim:
+        elif one_sided_dim is not None and min(adapter.a_dim, adapter.g_dim) > one_sided_dim:
+            skipped.append(SkippedLayer(name, f"{adapter.describe()}: both sides exceed eigenbasis_max_dim"))
+        elif max(kept_dims(adapter, one_sided_dim)) > max_factor_dim:
             skipped.append(SkippedLayer(name, f"{adapter.describe()} exceeds max_factor_dim={max_factor_dim}"))
-        elif shared := _shared(name, module, adapter.params(), owners):
-            tied.append(SkippedLayer(name, f"tied: {shared}"))
-            skipped.append(tied[-1])
+        elif (shared := _shared(name, module, adapter.params(), owners)) and not tied:
+            tied_skips.append(SkippedLayer(name, f"tied: {shared}"))
+            skipped.append(tied_skips[-1])
         else:
             layers.append((name, adapter))
+    if tied:
+        layers = _without_doubly_registered(layers, skipped, tied_skips)
     for s in skipped:
         logger.info("K-FAC skips %s: %s", s.name, s.reason)
     if warn:
-        _warn(layers, skipped, tied)
+        _warn(layers, skipped, tied_skips)
         _warn_unregistered(model, patterns, batchnorm)
     return layers, skipped
+
+
+def kept_dims(adapter: LayerAdapter, one_sided_dim: Optional[int]) -> tuple[int, ...]:
+    """The factor sizes K-FAC collects for a layer: both, or with ``one_sided_dim`` those not above it."""
+    dims = (adapter.a_dim, adapter.g_dim)
+    return dims if one_sided_dim is None else tuple(d for d in dims if d <= one_sided_dim)
+
+
+def _without_doubly_registered(
+    layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], tied_skips: list[SkippedLayer]
+) -> list[tuple[str, LayerAdapter]]:
+    """``layers`` less those holding a parameter another registered layer holds too (each would precondition the
+    same gradient), which are added to the skips."""
+    holders: dict[nn.Parameter, list[str]] = defaultdict(list)
+    for name, adapter in layers:
+        for p in adapter.params():
+            holders[p].append(name)
+    kept = []
+    for name, adapter in layers:
+        others = sorted({o for p in adapter.params() for o in holders[p] if o != name})
+        if others:
+            tied_skips.append(SkippedLayer(name, f"tied: a parameter is also that of registered layer(s) {others}"))
+            skipped.append(tied_skips[-1])
+        else:
+            kept.append((name, adapter))
+    return kept
 
 
 def _warn_unregistered(model: nn.Module, patterns: list[re.Pattern], batchnorm: bool) -> None:
@@ -210,7 +247,8 @@ def _warn(layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], t
     if tied:
         warnings.warn(
             "K-FAC skips layers whose parameters other modules share (tied weights: their gradient sums every use, "
-            "which one layer's factors do not describe); the base optimizer trains them without K-FAC: "
+            'which one layer\'s factors do not describe; with eigenbasis_moments, tied_layers: "precondition" '
+            "keeps their moments in the layer's eigenbasis); the base optimizer trains them without K-FAC: "
             + "; ".join(f"{s.name!r} ({s.reason})" for s in tied),
             UserWarning,
             stacklevel=4,

@@ -14,7 +14,15 @@ from torch.distributed import ProcessGroup
 from ..collection import LossScale
 from ..comm import data_parallel_world
 from ..config import KFACConfig, KFACConfigError
-from ..curvature import CurvatureBlock, KFACBlock, UnitWiseBlock, UnitWiseInverse, method_for
+from ..curvature import (
+    CurvatureBlock,
+    KFACBlock,
+    OneSidedBlock,
+    OneSidedEigen,
+    UnitWiseBlock,
+    UnitWiseInverse,
+    method_for,
+)
 from ..curvature.moments import MomentRule
 from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
 from ..optimizers import GROUP_KEY, moment_settings
@@ -80,6 +88,8 @@ def _find_layers(
         warn=warn,
         tensor_parallel_factors=config.tensor_parallel_factors,
         batchnorm=config.batchnorm == "unit-wise",
+        tied=config.tied_layers == "precondition",
+        one_sided_dim=config.eigenbasis_max_dim,
     )
 
 
@@ -175,6 +185,10 @@ def make_block(config: KFACConfig, name: str, adapter: LayerAdapter) -> Curvatur
     factor_dtype, inv_dtype = config.factor_torch_dtype, config.inv_torch_dtype
     if isinstance(adapter, BatchNormAdapter):
         return UnitWiseBlock(name, adapter, UnitWiseInverse(config.relative_damping), factor_dtype, inv_dtype)
+    limit = config.eigenbasis_max_dim
+    if limit is not None and max(adapter.a_dim, adapter.g_dim) > limit:  # find_layers skipped those with both above
+        method = OneSidedEigen("A" if adapter.a_dim <= limit else "G", method_for(config).basis_rounding)
+        return OneSidedBlock(name, adapter, method, factor_dtype, inv_dtype)
     return KFACBlock(
         name,
         adapter,

@@ -58,6 +58,30 @@ def make_layernorm_model() -> nn.Module:
     )
 
 
+class TiedModel(nn.Module):
+    """A token embedding tied to a vocabulary-wide decoder, as BERT's word embeddings and MLM decoder, then a head.
+
+    With ``tied_layers: "precondition"`` and ``eigenbasis_max_dim: 8`` the decoder (``A`` 5 wide with its bias, the
+    tied weight's ``G`` side 12 wide) keeps an ``A`` basis only, the head (``A`` 13 wide, ``G`` 3) a ``G`` basis only,
+    the first layer both."""
+
+    VOCAB = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(self.VOCAB, 4)
+        self.first = nn.Linear(IN, 4)
+        self.decoder = nn.Linear(4, self.VOCAB)
+        self.decoder.weight = self.embed.weight
+        self.last = nn.Linear(self.VOCAB, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = (x[:, 0].abs() * 7).long() % self.VOCAB
+        h = torch.tanh(self.first(x) + self.embed(tokens))
+        return self.last(torch.tanh(self.decoder(h)))
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     """Whether ``model`` normalizes over its batch: a single-process reference must then run each rank's rows apart."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -69,6 +93,7 @@ MODELS = {
     "shared": SharedLayer,
     "batchnorm": make_batchnorm_model,
     "layernorm": make_layernorm_model,
+    "tied": TiedModel,
 }
 
 

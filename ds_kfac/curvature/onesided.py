@@ -1,0 +1,110 @@
+"""One-sided Kronecker blocks for ``eigenbasis_moments``: one side in its factor's eigenbasis, the other left in the
+parameter basis (SOAP's treatment of a dimension above its ``max_precond_dim``).
+
+With ``eigenbasis_max_dim``, a layer side larger than it (a vocabulary-sized output, above all) is neither
+collected nor decomposed: its basis is the identity, so the base optimizer's moments are kept in
+``r = g Q_A`` (``G`` side left) or ``r = Q_G^T g`` (``A`` side left). That costs one ``d x d`` factor and one
+decomposition of the small side only, where a two-sided block would collect, reduce and decompose a
+``vocab x vocab`` factor every refresh.
+
+Any orthogonal basis gives Adam a valid update, whatever produced the gradient: so a one-sided (or two-sided)
+block under ``eigenbasis_moments`` may also precondition a weight tied to other modules (``tied_layers``), the
+sum of every use's gradient rotated by the registered layer's basis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import torch
+
+from ..layers.base import LayerAdapter
+from .block import CurvatureBlock
+from .decomposition import Shape, State
+from .factors import KroneckerFactor, RunningAverage
+from .moments import EigenbasisMoments
+from .numerics import canonical_eigh, eigh, with_fallback
+
+Side = Literal["A", "G"]
+
+
+class OneSidedEigen:
+    """The decomposition of a one-sided block: ``(Q, v)`` of its kept side; the other side's basis is the identity.
+
+    Only ``eigenbasis_moments`` preconditions with it (the config refuses ``eigenbasis_max_dim`` without the key):
+    it has a basis and no damped inverse."""
+
+    colocated = False
+    relative_damping = False
+
+    def __init__(self, side: Side, basis_rounding: Optional[float]) -> None:
+        self.side = side
+        self.name = f"eigen-one-sided-{side}"
+        self.basis_rounding = basis_rounding
+        """As :attr:`~.decomposition.EigenDecomposition.basis_rounding`: canonical bases inside clusters."""
+
+    def compute(self, factor: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
+        rounding = self.basis_rounding
+        fn = eigh if rounding is None else lambda m: canonical_eigh(m, rounding)
+        return with_fallback(fn, factor, dtype)
+
+    def basis(self, state: State) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(Q_A, Q_G)``, ``None`` for the side left in the parameter basis (a stacked state gives stacks)."""
+        return (state[0], None) if self.side == "A" else (None, state[0])
+
+    def uncurved(self, state: State) -> None:
+        """Nothing divides by this block's eigenvalues, so any curvature (none included) is usable."""
+        return None
+
+
+class OneSidedBlock(CurvatureBlock):
+    """A layer's factor of one side (``A`` or ``G``), its eigenbasis and the base optimizer's moments in it."""
+
+    method: OneSidedEigen
+
+    def __init__(
+        self,
+        name: str,
+        adapter: LayerAdapter,
+        method: OneSidedEigen,
+        factor_dtype: torch.dtype = torch.float32,
+        inv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(name, adapter, method, inv_dtype)
+        self.sides = (method.side,)
+        self.dim = adapter.a_dim if method.side == "A" else adapter.g_dim
+        self.factor = KroneckerFactor(self.dim, factor_dtype, bias_column=method.side == "A" and adapter.has_bias)
+        self.moments = EigenbasisMoments()
+
+    def statistics(self) -> dict[str, RunningAverage]:
+        return {self.method.side: self.factor}
+
+    def forward_statistic(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The call's ``A`` statistic (counted at the backward, as a two-sided block's); nothing for ``G``."""
+        if self.method.side != "A":
+            return None
+        return self.factor.statistic(self.adapter.input_rows(x), bias_column=self.adapter.has_bias)
+
+    def backward_statistic(self, pending: Any, grad: torch.Tensor, examples: int, scale: Any) -> None:
+        if self.method.side == "A":
+            self.factor.add(pending)
+        else:
+            self.factor.accumulate(self.adapter.output_grad_rows(grad), scale)
+
+    def side_shapes(self) -> dict[str, list[Shape]]:
+        return {self.method.side: [(self.dim, self.dim), (self.dim,)]}
+
+    def compute_sides(
+        self, values: dict[str, Optional[torch.Tensor]], damping: float, dtype: torch.dtype
+    ) -> dict[str, Optional[State]]:
+        side = self.method.side
+        return {side: self.method.compute(values[side], dtype)}
+
+    def costs(self, power: int) -> tuple[float, ...]:
+        return (float(self.dim) ** power,)
+
+    def install(self, state: State) -> None:
+        """Adopt a new basis, the moments moved onto it (from the identity before the first)."""
+        old = None if self.decomposition is None else self.method.basis(self.decomposition)
+        self.moments.rebase(old, self.method.basis(state))
+        self.decomposition = state

@@ -1,0 +1,173 @@
+"""One-sided blocks (``eigenbasis_max_dim``) and tied layers (``tied_layers: "precondition"``) under
+``eigenbasis_moments``: against a float64 simulation of the documented equations with the identity for the side left
+in the parameter basis, checkpoints, what is collected, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import reference as ref
+import torch
+from test_conventions import loss_fn
+from test_eigenbasis_moments import BETAS, EPS, FLOAT64, LR, TOL, _apply, _direction, _matrix, _optimizer
+from torch import nn
+from workers.problem import IN, OUT, TiedModel
+
+from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner, preconditioned_parameters
+from ds_kfac.curvature import KFACBlock, OneSidedBlock
+from ds_kfac.optimizers import Adam, split_groups
+
+pytestmark = pytest.mark.timeout(120)
+
+KEYS = dict(tied_layers="precondition", eigenbasis_max_dim=8)
+BATCH = 32
+"""Examples a step: more than every factor's size, so no eigenvalue repeats and LAPACK's basis is the reference's."""
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(steps)]
+
+
+def _run(model: nn.Module, batches: list, steps: int, **keys) -> tuple[list[nn.Module], KFACPreconditioner]:
+    """Float64 AdamW steps on K-FAC's directions; the model before each step, and after."""
+    model = copy.deepcopy(model).double()
+    opt = _optimizer("adamw", model)
+    kfac = KFACPreconditioner(model, optimizer=opt, eigenbasis_moments=True, **{**FLOAT64, **KEYS, **keys})
+    states = [copy.deepcopy(model)]
+    for x, target in batches[:steps]:
+        opt.zero_grad()
+        loss_fn(model(x.double()), target.double()).backward()
+        kfac.step()
+        opt.step()
+        states.append(copy.deepcopy(model))
+    return states, kfac
+
+
+def _factors_and_grads(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, tuple]:
+    """Per Linear layer of a float64 copy of ``model``: ``A`` (input rows with the bias column), ``G`` (per-example
+    output gradients), and the gradient matrix of its parameters (the tied weight's: every use summed)."""
+    model = copy.deepcopy(model).double()
+    inputs, outputs = {}, {}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for name, m in layers.items():
+
+        def keep(module, args, out, name=name):
+            inputs[name] = args[0].detach()
+            out.retain_grad()
+            outputs[name] = out
+
+        m.register_forward_hook(keep)
+    loss_fn(model(x.double()), target.double()).backward()
+    found = {}
+    for name, m in layers.items():
+        a = ref.second_moment(ref.linear_rows(inputs[name], True))
+        g = ref.second_moment(ref.output_grad_rows(outputs[name].grad, False), scale=x.shape[0])
+        grad = torch.cat([m.weight.grad, m.bias.grad[:, None]], 1)
+        found[name] = a, g, grad
+    return found
+
+
+def test_tied_and_one_sided_layers_match_the_documented_equations() -> None:
+    """Three steps, decompositions at steps 0 and 2. The first layer has both bases; the tied decoder (its weight the
+    embedding's, its gradient the sum of both uses) an ``A`` basis, its 12-wide vocabulary side the identity; the head
+    a ``G`` basis, its 13-wide input side the identity. Each step's parameters equal the float64 simulation to 1e-9,
+    and each block holds only the factors of the sides it keeps."""
+    model, batches = TiedModel(), _batches(3)
+    states, kfac = _run(model, batches, 3, inv_update_steps=2)
+    kinds = {b.name: (type(b), b.sides) for b in kfac.blocks}
+    assert kinds == {
+        "first": (KFACBlock, ("A", "G")),
+        "decoder": (OneSidedBlock, ("A",)),
+        "last": (OneSidedBlock, ("G",)),
+    }
+    keep = {"first": (True, True), "decoder": (True, False), "last": (False, True)}
+    m, v, basis = {}, {}, {}
+    b1, b2 = BETAS
+    for t, (x, target) in enumerate(batches, start=1):
+        found = _factors_and_grads(states[t - 1], x, target)
+        for name, (a, g, grad) in found.items():
+            if t in (1, 3):
+                eye = torch.eye  # the side left in the parameter basis
+                new = tuple(
+                    ref.eigenbasis(f) if kept else eye(f.shape[0], dtype=f.dtype) for f, kept in zip((a, g), keep[name])
+                )
+                if name in basis:
+                    (old_a, old_g), (new_a, new_g) = basis[name], new
+                    m[name] = new_g.t() @ old_g @ m[name] @ old_a.t() @ new_a
+                    v[name] = ref.rebased(v[name], basis[name], new)
+                basis[name] = new
+            qa, qg = basis[name]
+            rotated = qg.t() @ grad @ qa
+            m[name] = (1 - b1) * rotated if t == 1 else b1 * m[name] + (1 - b1) * rotated
+            v[name] = (1 - b2) * rotated**2 if t == 1 else b2 * v[name] + (1 - b2) * rotated**2
+            layer = getattr(states[t - 1], name)
+            expected = _apply("adamw", layer, qg @ _direction("adamw", m[name], v[name], t) @ qa.t(), t)
+            torch.testing.assert_close(_matrix(getattr(states[t], name)), expected, **TOL)
+    assert states[3].decoder.weight is states[3].embed.weight
+    # The test can fail: the decoder's moments kept in the parameter basis give another step.
+    _, _, grad = _factors_and_grads(states[2], *batches[2])["decoder"]
+    plain = _apply("adamw", states[2].decoder, _direction("adamw", (1 - b1) * grad, (1 - b2) * grad**2, 1), 3)
+    assert not torch.allclose(plain, _matrix(states[3].decoder), rtol=1e-3)
+    memory = kfac.memory_usage()
+    assert memory["factors"] == 8 * (7**2 + 4**2 + 5**2 + 3**2)  # A, G of first; A of decoder; G of last
+
+
+def test_one_sided_state_resumes_bitwise() -> None:
+    """A state saved after 2 steps and loaded into a new preconditioner gives the straight run's third step exactly;
+    a state of two-sided blocks is refused by a one-sided preconditioner, naming the layer."""
+    model, batches = TiedModel(), _batches(3)
+    straight, _ = _run(model, batches, 3, inv_update_steps=2)
+    halfway, kfac = _run(model, batches, 2, inv_update_steps=2)
+    resumed = copy.deepcopy(halfway[-1])
+    opt = _optimizer("adamw", resumed)
+    opt.load_state_dict(kfac.optimizer.state_dict())
+    again = KFACPreconditioner(resumed, optimizer=opt, eigenbasis_moments=True, inv_update_steps=2, **FLOAT64, **KEYS)
+    again.load_state_dict(kfac.state_dict())
+    opt.zero_grad()
+    loss_fn(resumed(batches[2][0].double()), batches[2][1].double()).backward()
+    again.step()
+    opt.step()
+    for a, b in zip(straight[-1].parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    two_sided = copy.deepcopy(model).double()
+    other = KFACPreconditioner(
+        two_sided, optimizer=_optimizer("adamw", two_sided), eigenbasis_moments=True, tied_layers="precondition"
+    )
+    with pytest.raises(ValueError, match="decoder"):
+        other.load_state_dict(kfac.state_dict())
+
+
+def test_tied_layers_skipped_by_default_and_doubly_registered_never() -> None:
+    """Without the key a tied layer is skipped with a warning; with it, two registered layers sharing a weight are
+    both skipped (each would precondition the same gradient)."""
+    model = TiedModel().double()
+    with pytest.warns(UserWarning, match="tied"):
+        kfac = KFACPreconditioner(model, optimizer=_flagged(model, {}), eigenbasis_moments=True)
+    assert [b.name for b in kfac.blocks] == ["first", "last"]
+    shared = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    shared[2].weight = shared[0].weight
+    with pytest.warns(UserWarning, match="registered layer"):
+        kfac = KFACPreconditioner(shared, optimizer=_flagged(shared, KEYS), eigenbasis_moments=True, **KEYS)
+    assert [b.name for b in kfac.blocks] == ["4"]
+
+
+def _flagged(model: nn.Module, keys: dict) -> torch.optim.Optimizer:
+    """ds_kfac's AdamW with the parameters of the layers ``keys`` registers in flagged groups."""
+    layers = preconditioned_parameters(model, KFACConfig.parse({"eigenbasis_moments": True, **keys}))
+    return Adam(split_groups(model.parameters(), layers), lr=LR, betas=BETAS, eps=EPS)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"eigenbasis_max_dim": 8}, "eigenbasis_max_dim"),
+        ({"tied_layers": "precondition"}, "tied_layers"),
+        ({"eigenbasis_moments": True, "eigenbasis_max_dim": 0}, "eigenbasis_max_dim"),
+        ({"eigenbasis_moments": True, "tied_layers": "yes"}, "tied_layers"),
+    ],
+)
+def test_bad_settings_are_refused(keys: dict, message: str) -> None:
+    with pytest.raises(KFACConfigError, match=message):
+        KFACConfig.parse(keys)
