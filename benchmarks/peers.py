@@ -316,8 +316,20 @@ def grid_points(vary: Sequence[str]) -> list[list[str]]:
         key, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--vary expects KEY=V1,V2,..., got {item!r}")
-        axes.append([f"{key}={v}" for v in values.split(",")])
+        axes.append([f"{key}={v}" for v in _top_level_split(values)])
     return [list(point) for point in itertools.product(*axes)]
+
+
+def _top_level_split(values: str) -> list[str]:
+    """``values`` split at the commas outside brackets, so a value may be a JSON list (``[0.01,0.004],[0.02,0.004]``:
+    DeepSpeed's ``WarmupDecayLR`` takes one rate per parameter group)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(values):
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            parts.append(values[start:i])
+            start = i + 1
+    return parts + [values[start:]]
 
 
 def grid(args: argparse.Namespace) -> dict[str, Any]:

@@ -58,6 +58,7 @@ def test_grid_points_are_the_product_of_the_axes_and_sets_are_checked() -> None:
     assert points == [["o.lr=0.1", "o.m=0.9"], ["o.lr=0.2", "o.m=0.9"]]
     with pytest.raises(ValueError, match="KEY=V1,V2"):
         peers.grid_points(["o.lr"])
+    assert peers.grid_points(["s.max=[0.01,0.004],[0.02,0.004]"]) == [["s.max=[0.01,0.004]"], ["s.max=[0.02,0.004]"]]
     assert peers.parse_sets(["muon:optimizer.params.muon_lr=0.04"], ["muon", "kfac"]) == {
         "muon": ["optimizer.params.muon_lr=0.04"],
         "kfac": [],
