@@ -6,6 +6,7 @@ The DeepSpeed internals these read are listed in docs/maintainers.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -36,6 +37,33 @@ class Zero12Gradients(PartitionedGradients):
         grad = mapping.get_lp_grad_fragment(param._index_in_param_group)
         address = mapping.lp_fragment_address
         return Fragment(address.start, address.numel, grad.view(-1))
+
+
+def zero12_param_holders(
+    groups: Sequence[Sequence[int]], world: int, element_size: int, parameter_alignment: bool = False
+) -> list[list[tuple[int, ...]]]:
+    """Per param group, per trainable parameter (given by its element count): the data-parallel ranks whose ZeRO 1/2
+    partitions hold some of its gradient, known before any engine exists (for :mod:`ds_kfac.planning`). As DeepSpeed's
+    ``DeepSpeedZeroOptimizer`` lays a group out without ``round_robin_gradients``: its parameters flattened in order
+    (with ``parameter_alignment``, each but the last padded to a multiple of ``16 / element_size`` elements), the
+    whole padded to a multiple of ``2 * world`` and cut into ``world`` equal partitions; a parameter with elements
+    lies in each partition its elements overlap. A running engine reads the same from ``param._hp_mapping``
+    (:meth:`Zero12Gradients.has_fragment`); ``tests/test_plan.py`` compares the two."""
+    align = 16 // math.gcd(16, element_size) if parameter_alignment else 1
+    out = []
+    for numels in groups:
+        starts, offset = [], 0
+        for i, n in enumerate(numels):
+            starts.append(offset)
+            offset += n + (0 if i == len(numels) - 1 else -(offset + n) % align)
+        size = -(-offset // (2 * world)) * 2  # the group padded to 2 * world * size elements
+        out.append(
+            [
+                tuple(r for r in range(world) if n and start < (r + 1) * size and r * size < start + n)
+                for n, start in zip(numels, starts)
+            ]
+        )
+    return out
 
 
 @dataclass

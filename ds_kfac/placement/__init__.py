@@ -5,7 +5,7 @@ from .distributor import Distributor
 from .gradients import Fragment, GradientLayout, PartitionedGradients, WholeGradients
 from .kl_clip import KLClip
 from .plan import LayerPlacement, LayerShape, PlacementPlan, UnitShape, lpt, workers_per_layer
-from .roles import Roles
+from .roles import RankRoles, Roles
 from .tensor_parallel import TensorParallelGradients, TensorParallelLayers, split_tensor_parallel
 from .work import LayerWork, all_finite_fragments, blocks_of, gather_work, write_work
 
@@ -20,6 +20,7 @@ __all__ = [
     "UnitShape",
     "PartitionedGradients",
     "PlacementPlan",
+    "RankRoles",
     "Roles",
     "TensorParallelGradients",
     "TensorParallelLayers",

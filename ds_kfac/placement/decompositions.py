@@ -18,10 +18,27 @@ from ..comm import all_reduce_sum_, broadcast_
 from ..curvature import CurvatureBlock, blocks_device
 from ..curvature.decomposition import State
 from ..curvature.refresh import Key
-from .roles import Roles
+from .roles import RankRoles, Roles
 
 Sides = dict[Key, State]
 """Decomposed sides by (layer, side)."""
+
+INTERVAL_DTYPE = torch.int64
+"""The dtype of adaptive refresh's intervals, agreed on in one all-reduce per refresh
+(:meth:`~DecompositionSharing.agree_intervals`)."""
+
+
+def shared_sides(
+    roles: RankRoles, blocks: Sequence[CurvatureBlock], needed: dict[str, set[str]]
+) -> list[tuple[CurvatureBlock, str, tuple[int, ...]]]:
+    """The sides a decomposition step broadcasts that ``roles``' rank takes part in: each side in ``needed`` of a
+    layer that it and other ranks hold the decomposition of, with those holders; the side's decomposer sends it."""
+    out = []
+    for b in blocks:
+        holders = roles.decomposition_holders(b)
+        if roles.rank in holders and len(holders) > 1:
+            out += [(b, side, holders) for side in b.sides if side in needed[b.name]]
+    return out
 
 
 class DecompositionSharing(Roles):
@@ -104,7 +121,7 @@ class DecompositionSharing(Roles):
             mine.append(
                 decide((name, side), factor.value) if self.decomposes(name, side) and factor.value is not None else 0
             )
-        agreed = torch.tensor(mine, dtype=torch.int64, device=blocks_device(self._blocks.values()))
+        agreed = torch.tensor(mine, dtype=INTERVAL_DTYPE, device=blocks_device(self._blocks.values()))
         if self.world > 1 and due:
             all_reduce_sum_([agreed], self.group, self.bucket_bytes)
         return [max(1, int(v)) for v in agreed.tolist()]
@@ -119,20 +136,14 @@ class DecompositionSharing(Roles):
     ) -> None:
         """Broadcast each side from its decomposing rank to the layer's other decomposition holders."""
         tensors, srcs, groups = [], [], []
-        for b in blocks:
-            holders = self.decomposition_holders(b)
-            if self.rank not in holders or len(holders) == 1:
-                continue
-            for side in b.sides:
-                if side not in needed[b.name]:
-                    continue
-                key = (b.name, side)
-                if key not in sides:
-                    device = b.adapter.module.weight.device
-                    sides[key] = tuple(
-                        torch.empty(s, dtype=self.config.inv_torch_dtype, device=device) for s in b.side_shapes()[side]
-                    )
-                tensors.extend(sides[key])
-                srcs.extend([self._decomposer_global(b, side)] * len(sides[key]))
-                groups.extend([self.groups.of(holders)] * len(sides[key]))
+        for b, side, holders in shared_sides(self, blocks, needed):
+            key = (b.name, side)
+            if key not in sides:
+                device = b.adapter.module.weight.device
+                sides[key] = tuple(
+                    torch.empty(s, dtype=self.config.inv_torch_dtype, device=device) for s in b.side_shapes()[side]
+                )
+            tensors.extend(sides[key])
+            srcs.extend([self._decomposer_global(b, side)] * len(sides[key]))
+            groups.extend([self.groups.of(holders)] * len(sides[key]))
         broadcast_(tensors, srcs, groups, self.bucket_bytes)

@@ -32,7 +32,7 @@ class Distributor(FactorReduction, DecompositionSharing):
         """Give every rank every layer's result when every rank holds every gradient: gradient workers
         broadcast theirs along rows (in the gradient's dtype). Nothing moves when every rank is a
         gradient worker. (Under ZeRO nothing is shared: each rank writes the partition it holds.)"""
-        if self.plan.replicated or self.world == 1:
+        if not self.shares_along_rows:
             for w in work:
                 w.result = w.result.to(w.grad.dtype)
             return

@@ -15,12 +15,36 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..comm import OrderedBuckets, all_reduce_sum_, pack_symmetric, unpack_symmetric
+from ..config import KFACConfig
 from ..curvature import CurvatureBlock, KroneckerFactor, RunningAverage, blocks_device
 from ..curvature.numerics import finite_flags
-from .roles import Roles
+from .roles import RankRoles, Roles
 
 Reduced = list[tuple[CurvatureBlock, str, Optional[torch.Tensor]]]
 """Per layer and statistic ("A", "G", "S"), the step's mean where this rank stores it, else ``None``."""
+
+PRESENCE_DTYPE = torch.int32
+"""The dtype of :meth:`FactorReduction.agree_present`'s per-layer counts (one all-reduce per factor-update step)."""
+
+
+def symmetric_on_wire(config: KFACConfig, stat: RunningAverage) -> bool:
+    """Whether ``stat`` travels as its upper triangle (``symmetric_comm``: the Kronecker factors)."""
+    return config.symmetric_comm and isinstance(stat, KroneckerFactor)
+
+
+def wire_numel(config: KFACConfig, stat: RunningAverage) -> int:
+    """The elements of ``stat`` in the factor reduction (in ``factor_dtype``)."""
+    rows = stat.shape[0]
+    return rows * (rows + 1) // 2 if symmetric_on_wire(config, stat) else math.prod(stat.shape)
+
+
+def wire_destinations(roles: RankRoles, block: CurvatureBlock) -> list[Optional[int]]:
+    """Per statistic of ``block``, in the order they travel: the data-parallel rank it is reduced to (``reduce``: a
+    side to its decomposing rank), or ``None`` where it is all-reduced (``allreduce``; ``S`` always)."""
+    reduce = roles.config.factor_reduction == "reduce"
+    return [
+        roles.decomposer(block.name, side) if reduce and side in block.sides else None for side in block.statistics()
+    ]
 
 
 class FactorReduction(Roles):
@@ -38,24 +62,16 @@ class FactorReduction(Roles):
     def _make_factor_buckets(self, overlap: bool) -> OrderedBuckets:
         """The static buckets every rank reduces factors in: one unit (A, G[, S]) per layer. With ``reduce``,
         ``A`` and ``G`` go to their decomposing ranks and ``S`` is all-reduced (every gradient worker stores it)."""
-        sizes = [[self._wire_numel(stat) for stat in b.statistics().values()] for b in self._unit_blocks]
+        sizes = [[wire_numel(self.config, stat) for stat in b.statistics().values()] for b in self._unit_blocks]
         dsts = None
         if self.config.factor_reduction == "reduce":
             dsts = [
-                [self._decomposer_global(b, side) if side in b.sides else None for side in b.statistics()]
+                [None if d is None else self.groups.to_global(d) for d in wire_destinations(self, b)]
                 for b in self._unit_blocks
             ]
         group = self.groups.overlap if overlap else self.group
         device = blocks_device(self._unit_blocks)
         return OrderedBuckets(sizes, self.config.factor_torch_dtype, device, group, self.bucket_bytes, dsts)
-
-    def _symmetric(self, stat: RunningAverage) -> bool:
-        """Whether ``stat`` travels as its upper triangle (``symmetric_comm``: the Kronecker factors)."""
-        return self.config.symmetric_comm and isinstance(stat, KroneckerFactor)
-
-    def _wire_numel(self, stat: RunningAverage) -> int:
-        rows = stat.shape[0]
-        return rows * (rows + 1) // 2 if self._symmetric(stat) else math.prod(stat.shape)
 
     def statistics_ready(self, block: CurvatureBlock) -> None:
         """The layer's factors for this step are final (its last backward of the step ran):
@@ -78,7 +94,7 @@ class FactorReduction(Roles):
         the others, whose step statistics are dropped. Raises when hooks fired on some ranks only."""
         present = [self.has_statistics(b) for b in blocks]
         if self.world > 1:
-            counts = torch.tensor(present, dtype=torch.int32, device=blocks_device(blocks))
+            counts = torch.tensor(present, dtype=PRESENCE_DTYPE, device=blocks_device(blocks))
             all_reduce_sum_([counts], self.group)
             expected = 1 if self.config.factor_reduction == "local" else self.world
             counts = counts.tolist()
@@ -110,7 +126,9 @@ class FactorReduction(Roles):
             value = stat.take_step()
             if value is None:
                 device = block.adapter.module.weight.device
-                out.append(torch.zeros(self._wire_numel(stat), dtype=self.config.factor_torch_dtype, device=device))
+                out.append(
+                    torch.zeros(wire_numel(self.config, stat), dtype=self.config.factor_torch_dtype, device=device)
+                )
             else:
                 out.append(self._to_wire(value, stat))
         return out
@@ -155,10 +173,10 @@ class FactorReduction(Roles):
     def _to_wire(self, value: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
         """Statistics travel in ``factor_dtype``, factors as upper triangles only with ``symmetric_comm``."""
         value = value.to(self.config.factor_torch_dtype)
-        return pack_symmetric(value) if self._symmetric(stat) else value
+        return pack_symmetric(value) if symmetric_on_wire(self.config, stat) else value
 
     def _from_wire(self, wire: torch.Tensor, stat: RunningAverage) -> torch.Tensor:
         """The statistic's matrix of its wire form (a view when it travelled whole and in its arithmetic dtype)."""
-        if self._symmetric(stat):
+        if symmetric_on_wire(self.config, stat):
             return unpack_symmetric(wire, stat.shape[0])
         return wire.view(stat.shape)

@@ -69,6 +69,21 @@ class Fragment:
         self.grad.copy_(values.reshape(self.grad.shape))
 
 
+def layer_holders(
+    blocks: Sequence[CurvatureBlock], param_holders: Sequence[tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]], list[bool]]:
+    """Each layer's holders (the ranks whose partitions hold some of its gradient) and whether it is split (no rank
+    is the only holder of every parameter: the partitions cover each gradient exactly once), from the ranks holding
+    each parameter of ``blocks`` (in order, each block's ``adapter.params()``)."""
+    holders, split, i = {}, [], 0
+    for b in blocks:
+        mine = param_holders[i : i + len(b.adapter.params())]
+        i += len(mine)
+        holders[b.name] = tuple(sorted({r for ranks in mine for r in ranks}))
+        split.append(len(set(mine)) != 1 or len(mine[0]) != 1)
+    return holders, split
+
+
 Gathered = tuple[list[CurvatureBlock], list[Optional[torch.Tensor]], list[list[Optional[Fragment]]]]
 """What :meth:`GradientLayout.gather` returns: blocks, their whole gradient matrices (``None`` where this rank
 does not precondition the block) and this rank's fragments of each."""
@@ -228,13 +243,7 @@ class PartitionedGradients(GradientLayout):
             table[data_parallel_rank(self.group)] = torch.tensor(mine, dtype=torch.int32)
             all_reduce_sum_([table], self.group)
             held = table.t().tolist()
-            of_param = [tuple(r for r in range(world) if row[r]) for row in held]
-            self.holders, self.split, i = {}, [], 0
-            for b in blocks:
-                mine = of_param[i : i + len(b.adapter.params())]
-                i += len(mine)
-                self.holders[b.name] = tuple(sorted({r for ranks in mine for r in ranks}))
-                self.split.append(len(set(mine)) != 1 or len(mine[0]) != 1)
+            self.holders, self.split = layer_holders(blocks, [tuple(r for r in range(world) if row[r]) for row in held])
         return self.holders
 
     def gather(self, blocks: Sequence[CurvatureBlock], workers: Workers) -> Gathered:

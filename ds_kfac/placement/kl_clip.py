@@ -16,8 +16,14 @@ from torch.distributed import ProcessGroup
 
 from ..comm import all_reduce_sum_
 from .gradients import GradientLayout
-from .roles import Roles
+from .roles import RankRoles, Roles
 from .work import LayerWork, blocks_of
+
+
+def sums_over_data_parallel(sharded: bool, roles: RankRoles) -> bool:
+    """Whether the data-parallel ranks hold different parts of the KL clip's sum, which one all-reduce of a float32
+    scalar then completes: ZeRO's partitions (``sharded``), or fewer gradient workers than ranks."""
+    return sharded or not roles.plan.replicated
 
 
 class KLClip:
@@ -41,7 +47,7 @@ class KLClip:
         vg = layout.dot(
             blocks_of(counted), [w.fragments for w in counted], [w.result for w in counted], [w.grad for w in counted]
         )
-        vg = self._complete_sum(vg, data_parallel=layout.sharded or not roles.plan.replicated)
+        vg = self._complete_sum(vg, data_parallel=sums_over_data_parallel(layout.sharded, roles))
         scale = layout.grad_scale()
         nu = torch.sqrt(kl_clip / (lr**2 * (vg / (scale * scale)).abs())).clamp(max=1.0)
         for w in work:

@@ -1,7 +1,8 @@
 """What one rank does under a placement plan: which layers it collects, decomposes, stores and preconditions.
 
-:class:`Roles` builds the :class:`~ds_kfac.placement.plan.PlacementPlan` and the process groups it needs,
-and answers every "does this rank ..." question from them; the classes that move data
+:class:`RankRoles` answers every "does this rank ..." question for any data-parallel rank of any world size, with
+no process group (so :mod:`ds_kfac.planning` can ask it for every rank before launch); :class:`Roles` is this
+process's rank, with the process groups the plan needs. The classes that move data
 (:mod:`~ds_kfac.placement.factors`, :mod:`~ds_kfac.placement.decompositions`,
 :mod:`~ds_kfac.placement.distributor`) build on it.
 """
@@ -12,30 +13,29 @@ from typing import Optional, Sequence
 
 from torch.distributed import ProcessGroup
 
-from ..comm import RankGroups, data_parallel_world
+from ..comm import RankGroups, data_parallel_rank, data_parallel_world
 from ..config import KFACConfig, KFACConfigError
 from ..curvature import CurvatureBlock
 from .plan import PlacementPlan
 
 
-class Roles:
-    """One rank's roles under the plan of ``blocks`` (built identically on every rank; creating its process
-    groups is collective over ``group``)."""
+class RankRoles:
+    """Rank ``rank`` of ``world`` data-parallel ranks under the plan of ``blocks``: no process group, no
+    communication."""
 
     def __init__(
         self,
         blocks: Sequence[CurvatureBlock],
         config: KFACConfig,
-        group: Optional[ProcessGroup],
-        bucket_bytes: int,
+        world: int,
+        rank: int,
         holders: Optional[dict[str, tuple[int, ...]]] = None,
     ) -> None:
         self.config = config
-        self.group = group
-        self.bucket_bytes = bucket_bytes
         self.holders = holders
         """The ranks whose ZeRO partitions hold each layer's gradient (``None``: every rank holds every gradient)."""
-        self.world = data_parallel_world(group)
+        self.world = world
+        self.rank = rank
         # Blocks are their own placement shapes (a name and each side's cost); blocks with one side are colocated.
         colocate = config.factor_reduction == "local" or any(b.colocated for b in blocks if len(b.sides) > 1)
         self.plan = PlacementPlan(blocks, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
@@ -45,10 +45,17 @@ class Roles:
         self.bases_everywhere = config.eigenvalue_correction and self.reduces and not self.plan.replicated
         """Whether every rank holds every decomposition: it projects its examples' gradients on the eigenbases."""
         self._refuse_local_correction()
-        sets = self.plan.broadcast_sets() + ([tuple(range(self.world))] if self.bases_everywhere else [])
-        self.groups = RankGroups(sets, group, self.overlap) if self.world > 1 else None
-        self.rank = self.groups.rank if self.groups else 0
         self._blocks = {b.name: b for b in blocks}
+
+    @property
+    def shares_along_rows(self) -> bool:
+        """Whether gradient workers broadcast ``P(g)`` along rows to the ranks that are not (fewer gradient workers
+        than ranks) where every rank holds every gradient (under ZeRO's partitions each rank writes what it holds)."""
+        return self.world > 1 and not self.plan.replicated
+
+    def broadcast_sets(self) -> list[tuple[int, ...]]:
+        """The rank sets that exchange decompositions or gradients, each of which needs a process group."""
+        return self.plan.broadcast_sets() + ([tuple(range(self.world))] if self.bases_everywhere else [])
 
     def _refuse_local_correction(self) -> None:
         """With ``factor_reduction: "local"`` a layer's owner computes ``S`` from its own examples and sends it
@@ -113,6 +120,24 @@ class Roles:
     def counts_in_kl_sum(self, block: CurvatureBlock) -> bool:
         """Exactly one rank adds each layer to the KL-clip sum (all of them when all hold all)."""
         return self.plan.replicated or self.rank == self.plan.layers[block.name].a_worker
+
+
+class Roles(RankRoles):
+    """This process's roles under the plan of ``blocks`` (built identically on every rank; creating its process
+    groups is collective over ``group``)."""
+
+    def __init__(
+        self,
+        blocks: Sequence[CurvatureBlock],
+        config: KFACConfig,
+        group: Optional[ProcessGroup],
+        bucket_bytes: int,
+        holders: Optional[dict[str, tuple[int, ...]]] = None,
+    ) -> None:
+        super().__init__(blocks, config, data_parallel_world(group), data_parallel_rank(group), holders)
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.groups = RankGroups(self.broadcast_sets(), group, self.overlap) if self.world > 1 else None
 
     def _decomposer_global(self, block: CurvatureBlock, side: str) -> int:
         """The global rank of :meth:`decomposer` (the source or destination of a collective)."""

@@ -93,6 +93,14 @@ def _find_layers(
     )
 
 
+def model_blocks(model: nn.Module, config: KFACConfig) -> tuple[list[CurvatureBlock], list[SkippedLayer]]:
+    """The blocks ``config`` registers in ``model`` as each data-parallel rank builds them, and the layers it skips,
+    with no communication (no check across ranks) and no tensor-parallel layers: what :mod:`ds_kfac.planning` plans
+    for, on a model that may lie on the meta device."""
+    layers, skipped = _find_layers(model, config, warn=False)
+    return [make_block(config, name, adapter) for name, adapter in layers], skipped
+
+
 def preconditioned_parameters(model: nn.Module, config: KFACConfig) -> list[nn.Parameter]:
     """The parameters of the layers ``config`` registers in ``model`` (weights and biases), in registration order,
     known before any preconditioner is built: those whose optimizer groups ``eigenbasis_moments`` flags."""

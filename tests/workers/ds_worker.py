@@ -37,6 +37,9 @@ from ds_kfac.comm import STATS  # noqa: E402
 from ds_kfac.integration.cleanup import shm_segment  # noqa: E402
 from ds_kfac.integration.engine import STATE_FILE  # noqa: E402
 
+KINDS = ("all_reduce", "reduce", "broadcast", "all_to_all")
+"""The collective kinds of :data:`ds_kfac.comm.STATS` a step counts (``"start"``: those ``initialize`` counted)."""
+
 
 def config(scenario: dict, world: int) -> dict:
     micro, ga = scenario.get("micro", 2), scenario.get("ga", 2)
@@ -79,7 +82,9 @@ def train(scenario: dict) -> dict:
     consolidated = scenario.get("load_consolidated")
     if consolidated:
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(consolidated, tag="ckpt"))
+    before = dict(STATS)
     engine, *_ = ds_kfac.initialize(model=model, model_parameters=problem.param_groups(model), config=cfg)
+    initialize_bytes = {k: STATS[k] - before.get(k, 0) for k in KINDS}
     if "loss_scale" in scenario:
         engine.optimizer.loss_scaler.cur_scale = float(scenario["loss_scale"])
     dtype = next(engine.module.parameters()).dtype
@@ -96,7 +101,7 @@ def train(scenario: dict) -> dict:
     for step in range(start, scenario["steps"]):
         if step in scenario.get("skip_steps", []):
             continue
-        x, y = problem.global_batch(step, micro * ga * world)
+        x, y = problem.global_batch(step, micro * ga * world, model)
         before = dict(STATS)
         for m in range(ga):
             rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
@@ -108,7 +113,7 @@ def train(scenario: dict) -> dict:
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-        comm.append({k: STATS[k] - before.get(k, 0) for k in ("all_reduce", "reduce", "broadcast", "all_to_all")})
+        comm.append({k: STATS[k] - before.get(k, 0) for k in KINDS})
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
     layout = kfac.layout if kfac else None
@@ -126,6 +131,9 @@ def train(scenario: dict) -> dict:
         "holders": layout.block_holders(kfac.blocks) if kfac else None,
         "kfac": kfac.state_dict() if kfac else None,
         "comm": comm,
+        "start": initialize_bytes,
+        "memory": kfac.memory_usage() if kfac else None,
+        "factor_buckets": bucket_bytes(kfac),
         "overlapped": kfac.distributor.factor_buckets.overlapped if kfac and kfac.distributor.factor_buckets else 0,
         "split": getattr(layout, "split", None),
         "skipped_steps": engine.skipped_steps,
@@ -136,8 +144,14 @@ def train(scenario: dict) -> dict:
     }
 
 
-def main(run_scenario: Callable[[dict[str, Any]], dict[str, Any]] = run) -> None:
-    """The launcher's entry: each scenario of ``--spec`` through ``run_scenario``, saved to ``--out``."""
+def bucket_bytes(kfac: Any) -> int:
+    """Bytes of the factor reduction's static buckets, allocated during every factor-update step (0: none)."""
+    buckets = kfac.distributor.factor_buckets if kfac else None
+    return 0 if buckets is None else sum(b.numel for b in buckets.buckets) * buckets.dtype.itemsize
+
+
+def launched() -> argparse.Namespace:
+    """A worker's start under the launcher: its ``--spec`` and ``--out``, one thread, the process group joined."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
@@ -145,6 +159,12 @@ def main(run_scenario: Callable[[dict[str, Any]], dict[str, Any]] = run) -> None
     args = parser.parse_args()
     torch.set_num_threads(1)
     ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
+    return args
+
+
+def main(run_scenario: Callable[[dict[str, Any]], dict[str, Any]] = run) -> None:
+    """The launcher's entry: each scenario of ``--spec`` through ``run_scenario``, saved to ``--out``."""
+    args = launched()
     out = Path(args.out)
     for i, scenario in enumerate(json.loads(Path(args.spec).read_text())):
         result = run_scenario(scenario)

@@ -1,0 +1,104 @@
+"""What a DeepSpeed JSON says about a K-FAC job before launch: its ``"kfac"`` section (through
+:class:`~ds_kfac.KFACConfig`) and the DeepSpeed keys that change K-FAC's memory or traffic."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from ..config import KFACConfig, KFACConfigError
+
+
+@dataclass(frozen=True)
+class Job:
+    """A DeepSpeed config read for ``world`` data-parallel ranks."""
+
+    section: dict[str, Any]
+    """The ``"kfac"`` section as written (placements vary its ``grad_worker_fraction`` and ``factor_reduction``)."""
+    kfac: KFACConfig
+    world: int
+    zero_stage: int
+    micro_batch: int
+    accumulation: int
+    param_dtype: torch.dtype
+    """The model's dtype in the engine (fp16 or bf16 when enabled): the gradients', and ZeRO's flat buffers'."""
+    raw_clipping: float
+    """``gradient_clipping`` with DeepSpeed's default (1.0): with ``eigenbasis_moments`` the engine clips the raw
+    gradients itself, one more all-reduce of their norm per step under ZeRO 1/2."""
+    parameter_alignment: bool
+    """``zero_optimization.parameter_alignment`` (where ZeRO 1/2 partitions cut the parameters)."""
+    bert: dict[str, Any]
+    """The ``"bert"`` section that ``examples/bert/pretrain.py`` reads (``{}`` where there is none)."""
+
+    def config_for(self, fraction: Union[str, float], reduction: str) -> KFACConfig:
+        """The ``"kfac"`` section with another placement, checked as ``initialize`` checks it."""
+        return KFACConfig.parse({**self.section, "grad_worker_fraction": fraction, "factor_reduction": reduction})
+
+
+def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
+    """The job a DeepSpeed config (a JSON file or its dict) describes at ``world`` data-parallel ranks; a
+    :class:`~ds_kfac.KFACConfigError` or ``ValueError`` names what is wrong with it."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"--world must be a positive number of data-parallel ranks, got {world!r}")
+    where = "the DeepSpeed config"
+    if not isinstance(config, dict):
+        where = str(config)
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read the DeepSpeed config {where}: {err}") from None
+    section = config.get("kfac")
+    if not isinstance(section, dict):
+        raise KFACConfigError(f'{where} has no "kfac" section: there is nothing to plan (K-FAC is off without one)')
+    kfac = KFACConfig.parse(section)
+    if not kfac.enabled:
+        raise KFACConfigError(f'{where}: "kfac" has "enabled": false, so K-FAC holds and sends nothing')
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"{where}: zero_optimization.stage={stage!r}; the planner models ZeRO stages 0, 1 and 2 (stage 3's "
+            f"traffic, two all-to-alls of every layer's gradient per step, is in docs/placement.md)"
+        )
+    if zero.get("round_robin_gradients", False):
+        raise ValueError(
+            f"{where}: zero_optimization.round_robin_gradients=true reorders ZeRO's partitions; not planned"
+        )
+    micro, accumulation = _batch(config, world, where)
+    half = [name for name, key in (("float16", "fp16"), ("bfloat16", "bf16")) if config.get(key, {}).get("enabled")]
+    clipping = config.get("gradient_clipping", 1.0)  # DeepSpeed's default when the key is left out
+    return Job(
+        section=section,
+        kfac=kfac,
+        world=world,
+        zero_stage=stage,
+        micro_batch=micro,
+        accumulation=accumulation,
+        param_dtype=getattr(torch, half[0]) if half else torch.float32,
+        raw_clipping=float(clipping) if kfac.eigenbasis_moments else 0.0,
+        parameter_alignment=bool(zero.get("parameter_alignment", False)),
+        bert=config.get("bert", {}),
+    )
+
+
+def _batch(config: dict[str, Any], world: int, where: str) -> tuple[int, int]:
+    """The micro-batch per rank and the accumulation steps, completed from ``train_batch_size`` as DeepSpeed does
+    (``train_batch_size = micro-batch x accumulation x world``)."""
+    total = config.get("train_batch_size")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accumulation = config.get("gradient_accumulation_steps")
+    if total is not None and micro is None:
+        micro = total // ((accumulation or 1) * world)
+    if accumulation is None:
+        accumulation = total // (micro * world) if total is not None and micro else 1
+    if not micro or (total is not None and total != micro * accumulation * world):
+        raise ValueError(
+            f"{where}: train_batch_size={total}, train_micro_batch_size_per_gpu={micro}, "
+            f"gradient_accumulation_steps={accumulation} do not fit {world} ranks "
+            f"(train_batch_size must be micro-batch x accumulation x {world})"
+        )
+    return micro, accumulation
