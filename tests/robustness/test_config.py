@@ -150,6 +150,8 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "eigenvalue_outer_product": ["yes", 1],
     "eigenvalue_correction": ["yes", 1, None],
     "eigenbasis_moments": ["yes", 1, None],
+    "eigenbasis_max_dim": ["768", True, 768.5, [768]],
+    "tied_layers": [True, None, 1, "yes"],
     "fisher": [True, None, "true_fisher", 1],
     "batchnorm": [True, None, "unitwise", 1],
     "grad_worker_fraction": [True, "0.5", None],
