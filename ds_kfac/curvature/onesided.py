@@ -20,7 +20,7 @@ import torch
 
 from ..layers.base import LayerAdapter
 from .block import CurvatureBlock
-from .decomposition import Shape, State
+from .decomposition import Decomposition, Shape, State
 from .factors import KroneckerFactor, RunningAverage
 from .moments import EigenbasisMoments
 from .numerics import canonical_eigh, eigh, with_fallback
@@ -28,33 +28,48 @@ from .numerics import canonical_eigh, eigh, with_fallback
 Side = Literal["A", "G"]
 
 
-class OneSidedEigen:
+class OneSidedEigen(Decomposition):
     """The decomposition of a one-sided block: ``(Q, v)`` of its kept side; the other side's basis is the identity.
 
     Only ``eigenbasis_moments`` preconditions with it (the config refuses ``eigenbasis_max_dim`` without the key):
     it has a basis and no damped inverse."""
 
     colocated = False
-    relative_damping = False
 
     def __init__(self, side: Side, basis_rounding: Optional[float]) -> None:
+        super().__init__(relative_damping=False)
         self.side = side
         self.name = f"eigen-one-sided-{side}"
         self.basis_rounding = basis_rounding
         """As :attr:`~.decomposition.EigenDecomposition.basis_rounding`: canonical bases inside clusters."""
 
-    def compute(self, factor: torch.Tensor, dtype: torch.dtype) -> Optional[State]:
+    def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
+        dim = a_dim if self.side == "A" else g_dim
+        kept: list[Shape] = [(dim, dim), (dim,)]
+        return (kept, []) if self.side == "A" else ([], kept)
+
+    def compute(
+        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+    ) -> tuple[Optional[State], Optional[State]]:
         rounding = self.basis_rounding
         fn = eigh if rounding is None else lambda m: canonical_eigh(m, rounding)
-        return with_fallback(fn, factor, dtype)
+        factor = a if self.side == "A" else g
+        state = None if factor is None else with_fallback(fn, factor, dtype)
+        return (state, None) if self.side == "A" else (None, state)
 
     def basis(self, state: State) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(Q_A, Q_G)``, ``None`` for the side left in the parameter basis (a stacked state gives stacks)."""
         return (state[0], None) if self.side == "A" else (None, state[0])
 
-    def uncurved(self, state: State) -> None:
-        """Nothing divides by this block's eigenvalues, so any curvature (none included) is usable."""
-        return None
+    def precondition(
+        self,
+        state: State,
+        grad: torch.Tensor,
+        damping: float,
+        cached: Optional[torch.Tensor] = None,
+        scaling: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError("a one-sided block has no P(g): it preconditions through eigenbasis_moments only")
 
 
 class OneSidedBlock(CurvatureBlock):
@@ -92,13 +107,14 @@ class OneSidedBlock(CurvatureBlock):
             self.factor.accumulate(self.adapter.output_grad_rows(grad), scale)
 
     def side_shapes(self) -> dict[str, list[Shape]]:
-        return {self.method.side: [(self.dim, self.dim), (self.dim,)]}
+        a_side, g_side = self.method.side_shapes(self.adapter.a_dim, self.adapter.g_dim)
+        return {self.method.side: a_side or g_side}
 
     def compute_sides(
         self, values: dict[str, Optional[torch.Tensor]], damping: float, dtype: torch.dtype
     ) -> dict[str, Optional[State]]:
-        side = self.method.side
-        return {side: self.method.compute(values[side], dtype)}
+        a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype)
+        return {self.method.side: a_side if self.method.side == "A" else g_side}
 
     def costs(self, power: int) -> tuple[float, ...]:
         return (float(self.dim) ** power,)
