@@ -143,9 +143,7 @@ class EigenDecomposition(Decomposition):
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
     ) -> tuple[Optional[State], Optional[State]]:
-        rounding = self.basis_rounding
-        fn = eigh if rounding is None else lambda m: canonical_eigh(m, rounding)
-        return tuple(None if f is None else with_fallback(fn, f, dtype) for f in (a, g))
+        return tuple(None if f is None else eigen_state(f, dtype, self.basis_rounding) for f in (a, g))
 
     @staticmethod
     def basis(state: State) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +177,13 @@ class EigenDecomposition(Decomposition):
         if not self.relative_damping:
             return damping
         return floor_damping(scaling.mean(dim=(-2, -1)) * damping)[..., None, None]
+
+
+def eigen_state(factor: torch.Tensor, dtype: torch.dtype, basis_rounding: Optional[float]) -> Optional[State]:
+    """``(Q, v)`` of a factor in ``dtype`` (float64 retry; ``None`` if LAPACK fails both), canonical inside clusters of
+    equal eigenvalues when ``basis_rounding`` is given (``eigenbasis_moments``)."""
+    fn = eigh if basis_rounding is None else lambda m: canonical_eigh(m, basis_rounding)
+    return with_fallback(fn, factor, dtype)
 
 
 class EigenOuterDecomposition(EigenDecomposition):

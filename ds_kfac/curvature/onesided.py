@@ -20,10 +20,9 @@ import torch
 
 from ..layers.base import LayerAdapter
 from .block import CurvatureBlock
-from .decomposition import Decomposition, Shape, State
+from .decomposition import Decomposition, Shape, State, eigen_state
 from .factors import KroneckerFactor, RunningAverage
 from .moments import EigenbasisMoments
-from .numerics import canonical_eigh, eigh, with_fallback
 
 Side = Literal["A", "G"]
 
@@ -51,10 +50,8 @@ class OneSidedEigen(Decomposition):
     def compute(
         self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
     ) -> tuple[Optional[State], Optional[State]]:
-        rounding = self.basis_rounding
-        fn = eigh if rounding is None else lambda m: canonical_eigh(m, rounding)
         factor = a if self.side == "A" else g
-        state = None if factor is None else with_fallback(fn, factor, dtype)
+        state = None if factor is None else eigen_state(factor, dtype, self.basis_rounding)
         return (state, None) if self.side == "A" else (None, state)
 
     def basis(self, state: State) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
