@@ -4,7 +4,7 @@ from .base import LayerAdapter, UnsupportedLayerError, param_shape
 from .batchnorm import BatchNormAdapter
 from .conv2d import Conv2dAdapter
 from .linear import LinearAdapter
-from .registry import SkippedLayer, adapter_for, find_layers, register_adapter
+from .registry import SkippedLayer, adapter_for, find_layers, kept_sides, register_adapter
 from .tensor_parallel import TensorParallelAdapter, TensorParallelFactors
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "UnsupportedLayerError",
     "adapter_for",
     "find_layers",
+    "kept_sides",
     "param_shape",
     "register_adapter",
 ]

@@ -132,9 +132,9 @@ def find_layers(
             skipped.append(
                 SkippedLayer(name, FROZEN_WEIGHT if adapter.has_bias else "frozen (no parameter requires grad)")
             )
-        elif one_sided_dim is not None and min(adapter.a_dim, adapter.g_dim) > one_sided_dim:
+        elif not (kept := kept_sides(adapter, one_sided_dim)):
             skipped.append(SkippedLayer(name, f"{adapter.describe()}: both sides exceed eigenbasis_max_dim"))
-        elif max(kept_dims(adapter, one_sided_dim)) > max_factor_dim:
+        elif max(kept.values()) > max_factor_dim:
             skipped.append(SkippedLayer(name, f"{adapter.describe()} exceeds max_factor_dim={max_factor_dim}"))
         elif (shared := _shared(name, module, adapter.params(), owners)) and not tied:
             tied_skips.append(SkippedLayer(name, f"tied: {shared}"))
@@ -151,10 +151,11 @@ def find_layers(
     return layers, skipped
 
 
-def kept_dims(adapter: LayerAdapter, one_sided_dim: Optional[int]) -> tuple[int, ...]:
-    """The factor sizes K-FAC collects for a layer: both, or with ``one_sided_dim`` those not above it."""
-    dims = (adapter.a_dim, adapter.g_dim)
-    return dims if one_sided_dim is None else tuple(d for d in dims if d <= one_sided_dim)
+def kept_sides(adapter: LayerAdapter, one_sided_dim: Optional[int]) -> dict[str, int]:
+    """The factors K-FAC collects for a layer, by side (``"A"``, ``"G"``) with their sizes: both, or with
+    ``one_sided_dim`` those not above it (one: a one-sided block; none: the layer is skipped)."""
+    sides = {"A": adapter.a_dim, "G": adapter.g_dim}
+    return sides if one_sided_dim is None else {s: d for s, d in sides.items() if d <= one_sided_dim}
 
 
 def _without_doubly_registered(

@@ -24,7 +24,7 @@ from ..curvature import (
     method_for,
 )
 from ..curvature.moments import MomentRule
-from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers
+from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers, kept_sides
 from ..optimizers import GROUP_KEY, moment_settings
 from ..placement import (
     GradientLayout,
@@ -193,9 +193,9 @@ def make_block(config: KFACConfig, name: str, adapter: LayerAdapter) -> Curvatur
     factor_dtype, inv_dtype = config.factor_torch_dtype, config.inv_torch_dtype
     if isinstance(adapter, BatchNormAdapter):
         return UnitWiseBlock(name, adapter, UnitWiseInverse(config.relative_damping), factor_dtype, inv_dtype)
-    limit = config.eigenbasis_max_dim
-    if limit is not None and max(adapter.a_dim, adapter.g_dim) > limit:  # find_layers skipped those with both above
-        method = OneSidedEigen("A" if adapter.a_dim <= limit else "G", method_for(config).basis_rounding)
+    kept = kept_sides(adapter, config.eigenbasis_max_dim)  # find_layers skipped a layer with none
+    if len(kept) == 1:
+        method = OneSidedEigen(next(iter(kept)), method_for(config).basis_rounding)
         return OneSidedBlock(name, adapter, method, factor_dtype, inv_dtype)
     return KFACBlock(
         name,
