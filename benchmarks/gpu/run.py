@@ -280,6 +280,19 @@ def check_lamb(args: argparse.Namespace) -> Result:
 
 
 # ---------------------------------------------------------------- d. step cost at BERT-base shapes
+MIN_LAUNCH = 20.0
+"""Seconds below which a check starts no further launch: one could not finish (start-up alone takes about 10)."""
+
+
+def launch_timeout(args: argparse.Namespace, start: float) -> Optional[float]:
+    """The next launch's time limit: ``--timeout``, cut to what is left of ``--budget`` (counted from ``start``) so
+    the check ends, and writes its JSON, inside the budget; ``None`` when less than :data:`MIN_LAUNCH` is left."""
+    if args.budget is None:
+        return args.timeout
+    left = args.budget - (time.perf_counter() - start)
+    return None if left < MIN_LAUNCH else min(args.timeout, left)
+
+
 def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[str]]:
     """The ``step_cost.py run`` invocations, by name: BERT-base on one GPU, LAMB as ``resolve_lamb`` picks it
     (FusedLamb), the BERT demo's cadence (factors every 5 steps, the last micro-batch's; decompositions every 25),
@@ -299,17 +312,18 @@ def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[st
 
 
 def check_step_cost(args: argparse.Namespace) -> Result:
-    """Each of :func:`step_cost_runs` in turn (one failing or timing out does not stop the rest; none starts once
-    ``--budget`` seconds have passed); their JSONs
-    merged into this check's, with the table and the targets (K-FAC step <= 1.10x at GA 8; slowest step <= 1.2x
+    """Each of :func:`step_cost_runs` in turn (one failing or timing out does not stop the rest; each launch's limit
+    cut to what is left of ``--budget``, none started when too little is left); their JSONs merged into this check's, with the table and the targets (K-FAC step <= 1.10x at GA 8; slowest step <= 1.2x
     the median with async decompositions)."""
     runs: Result = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for name, argv in step_cost_runs(args.device, args.tiny, args.timeout).items():
-            if args.budget is not None and time.perf_counter() - start > args.budget:
+            timeout = launch_timeout(args, start)
+            if timeout is None:
                 runs[name] = {"error": f"not started: the check's budget of {args.budget:.0f}s was spent"}
                 continue
+            argv = [str(timeout) if previous == "--timeout" else a for previous, a in zip(["", *argv], argv)]
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, str(ROOT / "benchmarks/step_cost.py"), *argv, "--out", str(out)]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -395,20 +409,25 @@ def bert_plan(args: argparse.Namespace, out: Path) -> Result:
 
 
 def check_bert(args: argparse.Namespace) -> Result:
-    """:func:`bert_plan` run in order (phase 1 first; a failed arm is recorded and the rest run), then each phase-2
-    arm's time to AdamW's final held-out MLM loss (``time_to_target.summarize``)."""
+    """:func:`bert_plan` run in order (phase 1 first; a failed arm is recorded and the rest run; each launch's limit
+    cut to what is left of ``--budget``, an arm not started when too little is left), then each phase-2 arm's time
+    to AdamW's final held-out MLM loss (``time_to_target.summarize``)."""
     from ds_kfac.integration.cleanup import run_launcher
 
     out = Path(tempfile.mkdtemp(prefix="gpu_bert_"))
     plan = bert_plan(args, out)
     status: dict[str, Any] = {}
+    not_started = []
+    begin = time.perf_counter()
     for name, cmd in plan["commands"].items():
-        if name != "phase1" and status.get("phase1") != 0:
-            break
+        timeout = launch_timeout(args, begin)
+        if (name != "phase1" and status.get("phase1") != 0) or timeout is None:
+            not_started.append(name)
+            continue
         port = str(ttt.free_port())
         start = time.perf_counter()
         with (out / f"{name}.log").open("w") as log:
-            code = run_launcher([port if c == "PORT" else c for c in cmd], port, args.timeout, cwd=ROOT, output=log,
+            code = run_launcher([port if c == "PORT" else c for c in cmd], port, timeout, cwd=ROOT, output=log,
                                 env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
         status[name] = code
         print(f"bert {name}: exit {code} after {time.perf_counter() - start:.0f}s", flush=True)
@@ -426,8 +445,9 @@ def check_bert(args: argparse.Namespace) -> Result:
     failed = {name: (out / f"{name}.log").read_text()[-3000:] for name, code in status.items() if code != 0}
     configs = {name: json.loads(Path(path).read_text()) for name, path in plan["configs"].items()}
     return {
-        "passed": not failed and len(status) == len(plan["commands"]),
+        "passed": not failed and not not_started,
         "exit_codes": status,
+        "not_started": not_started,
         "sources": plan["sources"],
         "configs": configs,
         "curves": curves,
@@ -455,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     default_out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "runs" / "gpu"
     parser.add_argument("--out", type=Path, default=default_out, help="where <check>.json goes (default: $OUT)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (a step-cost run, a BERT run)")
-    parser.add_argument("--budget", type=float, help="step-cost: start no further run after this many seconds")
+    parser.add_argument("--budget", type=float, help="step-cost, bert: seconds for all the check's launches")
     parser.add_argument("--peer-config", action="append", default=[], help="bert: a phase-2 config to compare too")
     parser.add_argument("--phase1-steps", type=int, help="bert: phase-1 steps (default 600; tiny 4)")
     parser.add_argument("--phase2-steps", type=int, help="bert: phase-2 steps (default 150; tiny 4)")

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU bundle in two device calls of under 10 minutes each (issue 38), from the repository root on the GPU machine:
+# The GPU bundle (issue 38), from the repository root on the GPU machine, in one device call or two:
+#   BUDGET=540 bash benchmarks/gpu/run_all.sh all [peer configs...]  # everything inside BUDGET seconds (one call)
 #   bash benchmarks/gpu/run_all.sh 1   # install, then tests, fp16, lamb, step-cost    (about 6 minutes)
 #   bash benchmarks/gpu/run_all.sh 2   # install (skipped when warm), then bert [peer configs...]  (about 6 minutes)
-# Part 2 takes the peer arms' phase-2 configs as further arguments (paths from the repository root). Every check
-# writes $OUT/<check>.json; the whole output goes to $OUT/log<part>.txt. A failing check does not stop the next;
-# the exit status is non-zero if any failed. The per-check limits (timeout(1)) keep each part inside its call.
+# `all` runs the three correctness checks side by side (none of them is timed), then step-cost alone, then bert alone
+# with what is left, each check's launches cut to its share so every check writes its JSON before BUDGET runs out.
+# The peer arms' phase-2 configs are further arguments (paths from the repository root). Every check
+# writes $OUT/<check>.json; the whole output goes to $OUT/log<part>.txt (lines prefixed by the check's name).
+# A failing check does not stop the next; the exit status is non-zero if any failed. DRY_RUN=1 runs the same on the
+# CPU at toy sizes (run.py's --device cpu --tiny), to rehearse the script itself.
 set -uo pipefail
-PART=${1:?usage: run_all.sh 1|2 [peer configs...]}
+PART=${1:?usage: run_all.sh 1|2|all [peer configs...]}
 shift
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/gpu}
@@ -18,14 +22,16 @@ command -v git >/dev/null || { mkdir -p /tmp/nogit && printf '#!/bin/sh\nexit 12
   && chmod +x /tmp/nogit/git && export PATH=/tmp/nogit:$PATH; }
 bash benchmarks/gpu/install.sh 2>&1 | tee -a "$LOG" || exit 1
 
-failed=()
+FAILED=$(mktemp)
 check() {  # check SECONDS NAME [run.py arguments...]
   local limit=$1 name=$2
   shift 2
   echo "== $name (limit ${limit}s) $(date +%T)" | tee -a "$LOG"
-  timeout "$limit" python3 benchmarks/gpu/run.py --check "$name" --device cuda --out "$OUT" "$@" 2>&1 | tee -a "$LOG" \
-    || failed+=("$name")
+  timeout "$limit" python3 benchmarks/gpu/run.py --check "$name" --device cuda --out "$OUT" "$@" ${DRY_RUN:+--device cpu --tiny} 2>&1 \
+    | sed -u "s/^/[$name] /" | tee -a "$LOG" || echo "$name" >>"$FAILED"
 }
+peers=()
+for config in "$@"; do peers+=(--peer-config "$config"); done
 case $PART in
   1)
     check 90 tests --timeout 80
@@ -33,12 +39,21 @@ case $PART in
     check 90 lamb
     check 200 step-cost --timeout 60 --budget 130
     ;;
+  all)
+    end=$((SECONDS + ${BUDGET:-540}))
+    check 150 lamb &  # first: it compiles FusedLamb, which step-cost then loads
+    check 150 tests --timeout 140 &
+    check 150 fp16 --timeout 140 &
+    wait
+    left=$((end - SECONDS)) && share=$((left - 150))  # step-cost's: at least 150 s stay for bert
+    check $share step-cost --timeout 90 --budget $((share - 100))
+    left=$((end - SECONDS))
+    check $left bert --timeout 150 --budget $((left - 15)) "${peers[@]}" --phase1-steps 600 --phase2-steps 150
+    ;;
   2)
-    peers=()
-    for config in "$@"; do peers+=(--peer-config "$config"); done
     check 330 bert --timeout 150 "${peers[@]}" --phase1-steps 600 --phase2-steps 150
     ;;
-  *) echo "part 1 or 2" >&2; exit 2 ;;
+  *) echo "part 1, 2 or all" >&2; exit 2 ;;
 esac
-echo "== done $(date +%T); failed: ${failed[*]:-none}" | tee -a "$LOG"
-[ ${#failed[@]} -eq 0 ]
+echo "== done $(date +%T); failed: $(tr '\n' ' ' <"$FAILED")" | tee -a "$LOG"
+[ ! -s "$FAILED" ]
