@@ -115,3 +115,25 @@ def test_an_undone_install_step_installs_again(extra: dict) -> None:
 def test_async_with_adaptive_refresh_is_refused() -> None:
     with pytest.raises(KFACConfigError, match="async_decompositions: true needs a fixed inv_update_steps"):
         KFACPreconditioner(model(), lr=0.1, async_decompositions=True, inv_update_steps="adaptive")
+
+
+def test_work_running_at_exit_finishes_before_the_interpreter_ends(tmp_path) -> None:
+    """The process may end while a decomposition runs (one started at the run's last refresh, never collected). A
+    daemon thread was cut off mid-call at interpreter exit, which on a GPU (Python 3.12, cuSOLVER) aborted the process
+    ("terminate called without an active exception", exit -6): the work must finish first. Here the work is a 1 s
+    sleep (it releases the GIL, as LAPACK and CUDA calls do) that then writes a file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    done = tmp_path / "done"
+    script = textwrap.dedent(
+        f"""
+        import pathlib, time, torch
+        from ds_kfac.curvature import Background
+        Background(lambda: (time.sleep(1.0), pathlib.Path({str(done)!r}).write_text("ok")), torch.device("cpu"))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert done.read_text() == "ok"

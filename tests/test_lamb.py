@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from ds_kfac import KFACConfig
 from ds_kfac.optimizers import Lamb, build_optimizer, resolve_lamb
 from ds_kfac.optimizers.resolve import apex_lamb_kwargs
 
@@ -315,6 +316,30 @@ def test_resolve_lamb_on_cpu_is_pure_pytorch() -> None:
     with pytest.raises(ValueError, match="unknown LAMB backend 'cuda'"):
         resolve_lamb(params, backend="cuda")
 
+
+
+def test_json_lamb_is_chosen_by_the_device_the_engine_moves_the_model_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ds_kfac.initialize builds a JSON optimizer before DeepSpeed moves the model to its accelerator, so the
+    parameters are still on the CPU: the fused backend is chosen by the engine's device (on a GPU, JSON "Lamb"
+    with K-FAC on had resolved to the pure-PyTorch Lamb). A stand-in FusedLamb records that it was built."""
+    from ds_kfac.integration import initialize as init
+    from ds_kfac.optimizers import resolve
+
+    built = []
+    fake = ("deepspeed", resolve._deepspeed_unsupported, lambda params, kwargs: built.append(kwargs) or "fused")
+    monkeypatch.setattr(resolve, "_FUSED_BACKENDS", (fake,))
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert type(resolve_lamb(params, lr=0.1)) is Lamb and not built  # the CPU, where the parameters are
+    assert resolve_lamb(params, lr=0.1, device=torch.device("cuda", 0)) == "fused" and built == [{"lr": 0.1}]
+    assert type(resolve_lamb(params, lr=0.1, device=torch.device("cpu"))) is Lamb
+
+    model = torch.nn.Linear(2, 2)
+    assert init.engine_device(model) == torch.device("cpu")  # this machine's accelerator
+    model.weight.ds_id = 0  # built under zero.Init: ZeRO-3 places it
+    assert init.engine_device(model) is None
+    monkeypatch.setattr(init, "engine_device", lambda model: torch.device("cuda", 0))
+    config = {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}
+    assert init._optimizer_from_json(config, torch.nn.Linear(2, 2), None, KFACConfig.parse({})) == "fused"
 
 def test_apex_argument_mapping() -> None:
     mapped = apex_lamb_kwargs({"lr": 0.1, "betas": (0.8, 0.9), "max_coeff": 5.0})

@@ -303,11 +303,17 @@ def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[st
     if tiny:
         return {"smoke": [*common, "--smoke", "--ga", "1", "--cycles", "1", *plain]}
     cadence = ["--set", "factor_update_steps=5", "--set", "inv_update_steps=25"]
+    slower = ["--set", "factor_update_steps=10", "--set", "inv_update_steps=100"]
+    inverse = ["--set", "compute_method=inverse"]
     return {
         "plain_ga1_ga8": [*common, *cadence, *plain, "--ga", "1", "8", "--cycles", "2"],
         "async_ga8": [*common, *cadence, *plain, "--set", "async_decompositions=true", "--ga", "8", "--cycles", "2"],
         "eigenbasis_ga8": [*common, *cadence, "--ga", "8", "--cycles", "2"],
         "plain_ga32": [*common, *cadence, *plain, "--ga", "32", "--cycles", "1", "--warmup-steps", "5"],
+        # After the first GPU run (decompositions 2.5 s a refresh by eigh, preconditioning 27 ms a step): the inverse
+        # method (a Cholesky inverse a refresh, two matmuls a layer a step), at the demo's cadence and a longer one.
+        "inverse_ga8": [*common, *cadence, *plain, *inverse, "--ga", "8", "--cycles", "1"],
+        "inverse_10_100_ga8": [*common, *slower, *plain, *inverse, "--ga", "8", "--cycles", "1"],
     }
 
 
@@ -318,7 +324,9 @@ def check_step_cost(args: argparse.Namespace) -> Result:
     runs: Result = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, argv in step_cost_runs(args.device, args.tiny, args.timeout).items():
+        planned = step_cost_runs(args.device, args.tiny, args.timeout)
+        for name in args.only or planned:
+            argv = planned[name]
             timeout = launch_timeout(args, start)
             if timeout is None:
                 runs[name] = {"error": f"not started: the check's budget of {args.budget:.0f}s was spent"}
@@ -476,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=default_out, help="where <check>.json goes (default: $OUT)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (a step-cost run, a BERT run)")
     parser.add_argument("--budget", type=float, help="step-cost, bert: seconds for all the check's launches")
+    parser.add_argument("--only", nargs="+", help="step-cost: these runs of step_cost_runs, in this order")
     parser.add_argument("--peer-config", action="append", default=[], help="bert: a phase-2 config to compare too")
     parser.add_argument("--phase1-steps", type=int, help="bert: phase-1 steps (default 600; tiny 4)")
     parser.add_argument("--phase2-steps", type=int, help="bert: phase-2 steps (default 150; tiny 4)")

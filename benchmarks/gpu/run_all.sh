@@ -10,7 +10,7 @@
 # A failing check does not stop the next; the exit status is non-zero if any failed. DRY_RUN=1 runs the same on the
 # CPU at toy sizes (run.py's --device cpu --tiny), to rehearse the script itself.
 set -uo pipefail
-PART=${1:?usage: run_all.sh 1|2|all [peer configs...]}
+PART=${1:?usage: run_all.sh 1|2|3|all [peer configs...]}
 shift
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/gpu}
@@ -50,10 +50,15 @@ case $PART in
     left=$((end - SECONDS))
     check $left bert --timeout 150 --budget $((left - 15)) "${peers[@]}" --phase1-steps 600 --phase2-steps 150
     ;;
+  3)  # the second call of the first lease: lamb beside step-cost's runs that had not run (none of lamb is timed)
+    check 200 lamb &
+    check 240 step-cost --timeout 80 --budget 150 --only async_ga8 inverse_ga8 inverse_10_100_ga8 eigenbasis_ga8
+    wait
+    ;;
   2)
     check 330 bert --timeout 150 "${peers[@]}" --phase1-steps 600 --phase2-steps 150
     ;;
-  *) echo "part 1, 2 or all" >&2; exit 2 ;;
+  *) echo "part 1, 2, 3 or all" >&2; exit 2 ;;
 esac
 echo "== done $(date +%T); failed: $(tr '\n' ' ' <"$FAILED")" | tee -a "$LOG"
 [ ! -s "$FAILED" ]

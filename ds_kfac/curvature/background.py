@@ -28,7 +28,10 @@ class Background(Generic[T]):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(device))
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="ds_kfac-background", daemon=True)
+        # Not a daemon: the interpreter waits for the work at exit. A daemon thread is cut off mid-call there, which
+        # aborts the process when the call is in C++ (cuSOLVER on a GPU: "terminate called without an active
+        # exception"). The work is local (no communication), so the wait is bounded by one decomposition.
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="ds_kfac-background", daemon=False)
         self._thread.start()
 
     def _run(self, fn: Callable[[], T]) -> None:

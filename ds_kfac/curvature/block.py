@@ -333,10 +333,13 @@ class StackedStates:
 
     @staticmethod
     def _stack(blocks: Sequence[CurvatureBlock]) -> list[_Group]:
+        # The gradient's shape is part of the key: one-sided blocks of equal kept sides hold equal states for
+        # gradients of different shapes (BERT's 2048 x 513 intermediate and 8192 x 513 decoder, both A-only).
         by_shapes: dict[tuple, list[int]] = defaultdict(list)
         for i, b in enumerate(blocks):
             if b.decomposition is not None:
-                by_shapes[(b.method.name, *((t.shape, t.dtype) for t in b.decomposition))].append(i)
+                shape = (b.adapter.g_dim, b.adapter.a_dim)
+                by_shapes[(b.method.name, shape, *((t.shape, t.dtype) for t in b.decomposition))].append(i)
         groups = []
         for positions in by_shapes.values():
             state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].decomposition for i in positions)))

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import difflib
 import functools
+import os
 import re
 import sys
 import warnings
@@ -154,6 +155,16 @@ def _warn_near_misses(config: dict) -> None:
         )
 
 
+def engine_device(model: torch.nn.Module) -> Optional[torch.device]:
+    """Where DeepSpeed's engine will move ``model``: the accelerator's device of this process's local rank
+    (``DeepSpeedEngine._set_distributed_vars`` and ``_configure_distributed_model``), unless ZeRO-3's ``zero.Init``
+    built it (its parameters carry ``ds_id``, and ZeRO places them); ``None`` then. The optimizer is built before the
+    engine moves the model, so a fused LAMB is chosen by this device, not by where the parameters are yet."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return None
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
+
+
 def _optimizer_from_json(
     config: dict, model: torch.nn.Module, model_parameters: Any, kfac_config: KFACConfig
 ) -> Optional[torch.optim.Optimizer]:
@@ -182,7 +193,7 @@ def _optimizer_from_json(
     params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
     if moments:
         params = split_groups(params, preconditioned_parameters(model, kfac_config))
-    optimizer = build_optimizer(section["type"], params, section.get("params", {}))
+    optimizer = build_optimizer(section["type"], params, section.get("params", {}), engine_device(model))
     del config["optimizer"]
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage > 0 and not is_zero_supported_optimizer(optimizer):

@@ -112,9 +112,16 @@ def _apex_lamb() -> Optional[type]:
     return getattr(apex.optimizers, "FusedLAMB", None)
 
 
-def _apex_unsupported(params: list[Any], tensors: list[Tensor], kwargs: dict[str, Any]) -> Optional[str]:
+def _on_cuda(tensor: Tensor, device: Optional[torch.device]) -> bool:
+    """Whether ``tensor`` steps on CUDA: on ``device`` when given (where the engine moves it), else where it is."""
+    return (device.type if device is not None else tensor.device.type) == "cuda"
+
+
+def _apex_unsupported(
+    params: list[Any], tensors: list[Tensor], kwargs: dict[str, Any], device: Optional[torch.device]
+) -> Optional[str]:
     """Why Apex FusedLAMB cannot run these parameters/arguments, or ``None`` if it can."""
-    if not tensors or not all(t.is_cuda and t.dtype in (torch.float32, torch.float16) for t in tensors):
+    if not tensors or not all(_on_cuda(t, device) and t.dtype in (torch.float32, torch.float16) for t in tensors):
         return "Apex FusedLAMB needs float32/float16 CUDA parameters"
     if True in _uses_setting(params, kwargs, "eps_inside_sqrt", False):
         return "Apex FusedLAMB cannot put eps inside the square root (eps_inside_sqrt=True)"
@@ -128,10 +135,12 @@ def _build_apex(params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimi
     return _apex_lamb()(params, **apex_lamb_kwargs(kwargs))  # type: ignore[misc]
 
 
-def _deepspeed_unsupported(params: list[Any], tensors: list[Tensor], kwargs: dict[str, Any]) -> Optional[str]:
+def _deepspeed_unsupported(
+    params: list[Any], tensors: list[Tensor], kwargs: dict[str, Any], device: Optional[torch.device]
+) -> Optional[str]:
     """Why DeepSpeed FusedLamb cannot run these parameters/arguments, or ``None`` if it can."""
     if not tensors or not all(
-        t.is_cuda and t.is_contiguous() and t.dtype in (torch.float32, torch.float64) for t in tensors
+        _on_cuda(t, device) and t.is_contiguous() and t.dtype in (torch.float32, torch.float64) for t in tensors
     ):
         return "DeepSpeed FusedLamb needs contiguous float32/float64 CUDA parameters"
     if any(norm > 0 for norm in _uses_setting(params, kwargs, "max_grad_norm", 0.0)):
@@ -149,14 +158,20 @@ def _build_deepspeed(params: list[Any], kwargs: dict[str, Any]) -> torch.optim.O
 _FUSED_BACKENDS = (("apex", _apex_unsupported, _build_apex), ("deepspeed", _deepspeed_unsupported, _build_deepspeed))
 
 
-def resolve_lamb(params: ParamsT, *, backend: str = "auto", **kwargs: Any) -> torch.optim.Optimizer:
+def resolve_lamb(
+    params: ParamsT, *, backend: str = "auto", device: Optional[torch.device] = None, **kwargs: Any
+) -> torch.optim.Optimizer:
     """A LAMB optimizer with DeepSpeed ``FusedLamb`` arguments (``lr``, ``bias_correction``,
     ``betas``, ``eps``, ``eps_inside_sqrt``, ``weight_decay``, ``max_grad_norm``,
     ``max_coeff``, ``min_coeff``, ``amsgrad``) from the fastest backend that can run it.
 
     ``backend`` is ``"auto"`` (Apex, then DeepSpeed, then PyTorch; see the module
     docstring for when each applies and how Apex differs) or one of ``"apex"``,
-    ``"deepspeed"``, ``"torch"`` to force it (``ValueError`` if it cannot run).
+    ``"deepspeed"``, ``"torch"`` to force it (``ValueError`` if it cannot run). ``device`` is where the parameters
+    will be when the optimizer steps, if not where they are now: DeepSpeed builds a JSON optimizer's engine, and
+    moves the model to its accelerator, after ``ds_kfac.initialize`` has built the optimizer on the model's CPU
+    parameters (the fused ones keep references to the same ``Parameter`` objects and make their state at the first
+    step, on the device).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown LAMB backend {backend!r}; allowed: {list(BACKENDS)}")
@@ -173,7 +188,7 @@ def resolve_lamb(params: ParamsT, *, backend: str = "auto", **kwargs: Any) -> to
     for name, unsupported, build in _FUSED_BACKENDS:
         if backend not in ("auto", name):
             continue
-        reason = unsupported(params, tensors, kwargs)
+        reason = unsupported(params, tensors, kwargs, device)
         if reason is None:
             try:
                 # Fresh group dicts: torch.optim.Optimizer fills defaults into them, and a
@@ -191,13 +206,15 @@ def resolve_lamb(params: ParamsT, *, backend: str = "auto", **kwargs: Any) -> to
     return Lamb(params, **kwargs)
 
 
-def build_optimizer(type_name: str, params: ParamsT, params_dict: Optional[dict[str, Any]]) -> torch.optim.Optimizer:
+def build_optimizer(
+    type_name: str, params: ParamsT, params_dict: Optional[dict[str, Any]], device: Optional[torch.device] = None
+) -> torch.optim.Optimizer:
     """Build the optimizer of a DeepSpeed config ``"optimizer": {"type": ..., "params": {...}}``.
 
     ``type_name`` is ``"Lamb"`` (see :func:`resolve_lamb`), ``"SGD"`` (``torch.optim.SGD``), or ``"Adam"`` /
     ``"AdamW"`` (:class:`~ds_kfac.optimizers.Adam`, decoupled weight decay unless ``"adam_w_mode": false`` for
     ``Adam``, as DeepSpeed reads them), case-insensitive.  Unknown types or parameter names raise ``ValueError``
-    naming them and the allowed ones.
+    naming them and the allowed ones. ``device``: where the parameters will step (:func:`resolve_lamb`).
     """
     params_dict = dict(params_dict or {})
     kind = type_name.lower()
@@ -205,7 +222,7 @@ def build_optimizer(type_name: str, params: ParamsT, params_dict: Optional[dict[
         _check_keys(f"optimizer type {type_name!r}", params_dict, LAMB_KEYS)
         if "betas" in params_dict:
             params_dict["betas"] = tuple(params_dict["betas"])
-        return resolve_lamb(params, **params_dict)
+        return resolve_lamb(params, device=device, **params_dict)
     if kind == "sgd":
         _check_keys(f"optimizer type {type_name!r}", params_dict, SGD_KEYS)
         return torch.optim.SGD(params, **params_dict)
