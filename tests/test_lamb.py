@@ -317,7 +317,6 @@ def test_resolve_lamb_on_cpu_is_pure_pytorch() -> None:
         resolve_lamb(params, backend="cuda")
 
 
-
 def test_json_lamb_is_chosen_by_the_device_the_engine_moves_the_model_to(monkeypatch: pytest.MonkeyPatch) -> None:
     """ds_kfac.initialize builds a JSON optimizer before DeepSpeed moves the model to its accelerator, so the
     parameters are still on the CPU: the fused backend is chosen by the engine's device (on a GPU, JSON "Lamb"
@@ -333,6 +332,14 @@ def test_json_lamb_is_chosen_by_the_device_the_engine_moves_the_model_to(monkeyp
     assert resolve_lamb(params, lr=0.1, device=torch.device("cuda", 0)) == "fused" and built == [{"lr": 0.1}]
     assert type(resolve_lamb(params, lr=0.1, device=torch.device("cpu"))) is Lamb
 
+    def broken(params, kwargs):
+        raise RuntimeError("no nvcc")
+
+    monkeypatch.setattr(resolve, "_FUSED_BACKENDS", (("deepspeed", resolve._deepspeed_unsupported, broken),))
+    with pytest.warns(RuntimeWarning, match="pure-PyTorch Lamb.*deepspeed LAMB failed to construct.*no nvcc"):
+        assert type(resolve_lamb(params, lr=0.1, device=torch.device("cuda", 0))) is Lamb
+    monkeypatch.setattr(resolve, "_FUSED_BACKENDS", (fake,))
+
     model = torch.nn.Linear(2, 2)
     assert init.engine_device(model) == torch.device("cpu")  # this machine's accelerator
     model.weight.ds_id = 0  # built under zero.Init: ZeRO-3 places it
@@ -340,6 +347,7 @@ def test_json_lamb_is_chosen_by_the_device_the_engine_moves_the_model_to(monkeyp
     monkeypatch.setattr(init, "engine_device", lambda model: torch.device("cuda", 0))
     config = {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}
     assert init._optimizer_from_json(config, torch.nn.Linear(2, 2), None, KFACConfig.parse({})) == "fused"
+
 
 def test_apex_argument_mapping() -> None:
     mapped = apex_lamb_kwargs({"lr": 0.1, "betas": (0.8, 0.9), "max_coeff": 5.0})

@@ -93,7 +93,6 @@ def test_tied_and_one_sided_layers_match_the_documented_equations() -> None:
     assert memory["factors"] == 8 * (7**2 + 4**2 + 5**2 + 3**2)  # A, G of first; A of decoder; G of last
 
 
-
 class TwoHeads(nn.Module):
     """Two ``A``-only heads (``A`` 5 wide with the bias; ``G`` 10 and 12, above ``eigenbasis_max_dim`` 8): equal
     decomposition shapes for gradients of different shapes, as BERT-small's 2048 x 513 intermediate layers and its
@@ -122,6 +121,7 @@ def test_one_sided_blocks_of_equal_states_and_unequal_gradients() -> None:
     }  # fmt: skip
     keep = {"first": (True, True), "narrow": (True, False), "wide": (True, False), "last": (False, True)}
     _assert_simulated(states, batches, keep)
+
 
 def _assert_simulated(states: list[nn.Module], batches: list, keep: dict[str, tuple[bool, bool]]) -> None:
     """Each step's parameters of each top-level Linear layer named in ``keep`` (which of ``A``, ``G`` keeps a basis)

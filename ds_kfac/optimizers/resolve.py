@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import warnings
 from typing import Any, Iterable, Optional
 
 import torch
@@ -185,6 +186,7 @@ def resolve_lamb(
             raise ValueError(f"LAMB backend {backend!r} cannot apply K-FAC's eigenbasis directions: use 'torch'")
         return Lamb(params, **kwargs)
 
+    failures = []
     for name, unsupported, build in _FUSED_BACKENDS:
         if backend not in ("auto", name):
             continue
@@ -196,13 +198,20 @@ def resolve_lamb(
                 optimizer = build([dict(g) if isinstance(g, dict) else g for g in params], kwargs)
             except Exception as error:  # e.g. no CUDA extension, JIT build failure (no nvcc/ninja)
                 reason = f"{name} LAMB failed to construct: {error!r}"
+                failures.append(reason)
             else:
                 logger.info("LAMB backend: %s", type(optimizer).__qualname__)
                 return optimizer
         if backend == name:
             raise ValueError(f"LAMB backend {name!r} unavailable: {reason}")
         logger.debug("LAMB backend %s skipped: %s", name, reason)
-
+    if failures:  # a fused LAMB could run these parameters and did not build: say why, not only at debug level
+        warnings.warn(
+            f"LAMB: the pure-PyTorch Lamb steps these CUDA parameters (the same update, slower), because "
+            f"{'; '.join(failures)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Lamb(params, **kwargs)
 
 
