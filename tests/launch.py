@@ -1,4 +1,9 @@
-"""Run a worker script under the real ``deepspeed`` (or ``torchrun``) launcher.
+"""Run worker scripts on several ranks: as the ``deepspeed`` launcher starts them, or under the real launchers.
+
+:func:`deepspeed_run` and :func:`torchrun` start each rank's process directly, with the environment and arguments
+the ``deepspeed`` launcher (``deepspeed.launcher.launch``) or ``torchrun`` gives it: the launcher's own two
+processes cost about 6 s of a launch on 2 cores and are not what those tests are about. The launchers themselves are
+run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes` and the examples' tests.
 
 Every launch gets a free loopback port and a timeout, runs in its own process
 session, and is killed with all its children if it overruns, so no test
@@ -47,30 +52,38 @@ def run(
     timeout: float,
     env: Optional[dict[str, str]] = None,
     left_segments: Optional[list[Path]] = None,
+    rank_envs: Optional[list[dict[str, str]]] = None,
 ) -> list[str]:
-    """Run ``cmds`` concurrently, each in a new session; return their outputs.
-    If any fails or the time runs out, every process group is killed. Afterwards the
-    DeepSpeed shared-memory segments of the launch's ports are removed (see
+    """Run ``cmds`` concurrently, each in a new session (``rank_envs``: each its own variables besides ``env``);
+    return their outputs. If any fails or the time runs out, every process group is killed. Afterwards the
+    DeepSpeed shared-memory segments of the launch's ports (``--master_port`` or ``MASTER_PORT``) are removed (see
     :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own. Those
     found are first appended to ``left_segments``, when given."""
+    ports = {cmd[cmd.index("--master_port") + 1] for cmd in cmds if "--master_port" in cmd}
+    ports |= {e["MASTER_PORT"] for e in rank_envs or [] if "MASTER_PORT" in e}
     try:
-        return _run(cmds, timeout, env)
+        return _run(cmds, timeout, env, rank_envs or [{} for _ in cmds])
     finally:
-        for cmd in cmds:
-            if "--master_port" in cmd:
-                port = cmd[cmd.index("--master_port") + 1]
-                if left_segments is not None:
-                    left_segments.extend(port_segments(port))
-                release_port_segments(port)
+        for port in ports:
+            if left_segments is not None:
+                left_segments.extend(port_segments(port))
+            release_port_segments(port)
 
 
-def _run(cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]]) -> list[str]:
+def _run(
+    cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]], rank_envs: list[dict[str, str]]
+) -> list[str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     procs = [
         subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**full_env, **own},
+            start_new_session=True,
         )
-        for cmd in cmds
+        for cmd, own in zip(cmds, rank_envs)
     ]
     deadline = time.monotonic() + timeout
     outputs, failure = [], None
@@ -107,6 +120,23 @@ def _spec(out_dir: Path, scenarios: list[dict[str, Any]], worker: Path = WORKERS
     return [str(worker), "--spec", str(spec), "--out", str(out_dir)]
 
 
+def rank_launch(world: int, script: list[str], launcher: str = "deepspeed") -> tuple[list[list[str]], list[dict]]:
+    """The commands and environments with which a launcher on one node starts ``world`` ranks of ``script``
+    (a path and its arguments) on a free loopback port: ``deepspeed`` (``deepspeed.launcher.launch``: ``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``/``CROSS_SIZE``, ``MASTER_*``, and a
+    ``--local_rank=R`` argument) or ``torchrun`` (the same without the argument, with ``LOCAL_WORLD_SIZE``)."""
+    port = str(free_port())
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)}
+    common |= {"LOCAL_SIZE": str(world), "CROSS_RANK": "0", "CROSS_SIZE": "1"} if launcher == "deepspeed" else {}
+    common |= {"LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0"} if launcher == "torchrun" else {}
+    cmds, envs = [], []
+    for rank in range(world):
+        argument = [f"--local_rank={rank}"] if launcher == "deepspeed" else []
+        cmds.append([sys.executable, "-u", script[0], *argument, *script[1:]])
+        envs.append({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    return cmds, envs
+
+
 def deepspeed_run(
     world: int,
     out_dir: Path,
@@ -115,11 +145,11 @@ def deepspeed_run(
     worker: Path = WORKERS / "ds_worker.py",
     left_segments: Optional[list[Path]] = None,
 ) -> list[list[dict[str, Any]]]:
-    """Run ``worker`` (``--spec``, ``--out``; by default ``workers/ds_worker.py``) with ``deepspeed --num_gpus
-    world``; return each scenario's per-rank results (``<out>/<scenario>_rank<r>.pt``; ``left_segments``: see
-    :func:`run`)."""
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port())]
-    run([cmd + _spec(out_dir, scenarios, worker)], timeout, left_segments=left_segments)
+    """Run ``worker`` (``--spec``, ``--out``; by default ``workers/ds_worker.py``) on ``world`` ranks started as
+    ``deepspeed --num_gpus world`` starts them (:func:`rank_launch`); return each scenario's per-rank results
+    (``<out>/<scenario>_rank<r>.pt``; ``left_segments``: see :func:`run`)."""
+    cmds, envs = rank_launch(world, _spec(out_dir, scenarios, worker))
+    run(cmds, timeout, left_segments=left_segments, rank_envs=envs)
     return _results(out_dir, len(scenarios), world)
 
 
@@ -173,22 +203,8 @@ def deepspeed_nodes(
 def torchrun(
     world: int, out_dir: Path, scenarios: list[dict[str, Any]], timeout: float = 300
 ) -> list[list[dict[str, Any]]]:
-    """Run ``workers/ddp_worker.py`` (standalone K-FAC under DDP) on ``world`` ranks of one torchrun."""
-    spec = out_dir / "scenarios.json"
-    spec.write_text(json.dumps(scenarios))
-    cmd = [
-        str(BIN / "torchrun"),
-        "--nproc_per_node",
-        str(world),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(WORKERS / "ddp_worker.py"),
-        "--spec",
-        str(spec),
-        "--out",
-        str(out_dir),
-    ]
-    run([cmd], timeout)
+    """Run ``workers/ddp_worker.py`` (standalone K-FAC under DDP) on ``world`` ranks started as ``torchrun
+    --nproc_per_node world`` starts them (:func:`rank_launch`)."""
+    cmds, envs = rank_launch(world, _spec(out_dir, scenarios, WORKERS / "ddp_worker.py"), "torchrun")
+    run(cmds, timeout, rank_envs=envs)
     return _results(out_dir, len(scenarios), world)

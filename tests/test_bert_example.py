@@ -1,4 +1,5 @@
-"""The BERT pretraining example through its real entry point (deepspeed launcher, 2 CPU ranks, K-FAC on)."""
+"""The BERT pretraining example through its real entry point (2 CPU ranks started as the deepspeed launcher starts
+them, K-FAC on)."""
 
 from __future__ import annotations
 
@@ -19,21 +20,21 @@ ROOT = Path(__file__).parents[1]
 def pretrain(config: str, out: Path, *extra: str) -> None:
     """The example with a shipped config at a small batch (micro-batch 8, accumulation 2: the large-batch demo's
     shapes would make the test 8x slower; K-FAC then gathers factors from every micro-batch), under its own name."""
-    launch.run([pretrain_cmd(config, out, launch.free_port(), *extra)], timeout=300)
+    cmds, envs = pretrain_ranks(config, out, *extra)
+    launch.run(cmds, timeout=300, rank_envs=envs)
 
 
-def pretrain_cmd(config: str, out: Path, port: int, *extra: str) -> list[str]:
-    """:func:`pretrain`'s command, its deepspeed launcher on ``port``."""
+def pretrain_ranks(config: str, out: Path, *extra: str) -> tuple[list[list[str]], list[dict[str, str]]]:
+    """:func:`pretrain`'s 2 ranks (commands and environments, :func:`launch.rank_launch`)."""
     small = json.loads((ROOT / "configs" / config).read_text())
     small.update(train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=2)
     small.get("kfac", {}).pop("factor_micro_batches", None)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "configs" / config).write_text(json.dumps(small))
-    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
     script = [str(ROOT / "examples/bert/pretrain.py"), "--deepspeed_config", str(out / "configs" / config)]
     # The small corpus: the default one costs ~30 s to build and ~20 s per rank and launch to cut into pairs.
     script += ["--corpus", "stdlib"]
-    return cmd + script + ["--output-dir", str(out), *extra]
+    return launch.rank_launch(2, [*script, "--output-dir", str(out), *extra])
 
 
 def metrics(out: Path, run: str) -> list[dict[str, str]]:
@@ -74,15 +75,13 @@ def test_phase1_then_phase2_from_its_checkpoint(phase1_run: Path) -> None:
     # of its own (each run's rank 0 rewrites its output directory's summary.txt and loss.png from every run there)
     # with phase 1's caches (--cache-dir: nothing is built, only read).
     scratch = tmp_path / "scratch"
-    ports = set()
-    while len(ports) < 2:
-        ports.add(launch.free_port())
-    port, other = sorted(ports)
-    from_phase1 = pretrain_cmd(
-        "bert_cpu_phase2_kfac.json", tmp_path, port, *phase2, "--init-checkpoint", ckpt, "--run-name", "from_phase1"
-    )
-    from_scratch = pretrain_cmd("bert_cpu_phase2_kfac.json", scratch, other, *phase2, "--run-name", "from_scratch")
-    launch.run([from_phase1, from_scratch + ["--cache-dir", str(tmp_path)]], timeout=300)
+    config = "bert_cpu_phase2_kfac.json"
+    from_phase1 = pretrain_ranks(config, tmp_path, *phase2, "--init-checkpoint", ckpt, "--run-name", "from_phase1")
+    scratch_args = (*phase2, "--run-name", "from_scratch", "--cache-dir", str(tmp_path))
+    from_scratch = from_phase1
+    while from_scratch[1][0]["MASTER_PORT"] == from_phase1[1][0]["MASTER_PORT"]:  # side by side: two ports
+        from_scratch = pretrain_ranks(config, scratch, *scratch_args)
+    launch.run(from_phase1[0] + from_scratch[0], timeout=300, rank_envs=from_phase1[1] + from_scratch[1])
     first = {
         run: float(metrics(out, run)[0]["loss"]) for out, run in ((tmp_path, "from_phase1"), (scratch, "from_scratch"))
     }

@@ -164,11 +164,15 @@ def test_gpt_example_tensor_and_pipeline_parallel_equals_one_rank(tmp_path: Path
     preconditions the unsharded layers, so every logged loss agrees (only summation order differs)."""
     script = [str(ROOT / "examples/gpt/train.py"), "--deepspeed_config", str(ROOT / "configs/gpt_kfac_cpu.json")]
     common = ["--steps", "6", "--eval-every", "3", "--layers", "2", "--hidden", "64", "--seq", "32"]
-    cmds = []
+    cmds, envs = [], []
     for n, parallel in ((4, ["--tp", "2", "--pp", "2"]), (1, [])):
-        launcher = [str(launch.BIN / "deepspeed"), "--num_gpus", str(n), "--master_port", str(launch.free_port())]
-        cmds.append(launcher + script + common + parallel + ["--output-dir", str(tmp_path / f"ranks{n}")])
-    launch.run(cmds, timeout=280)
+        while True:  # side by side: two ports
+            ranks = launch.rank_launch(n, script + common + parallel + ["--output-dir", str(tmp_path / f"ranks{n}")])
+            if not envs or ranks[1][0]["MASTER_PORT"] != envs[0]["MASTER_PORT"]:
+                break
+        cmds += ranks[0]
+        envs += ranks[1]
+    launch.run(cmds, timeout=280, rank_envs=envs)
     curves = []
     for n in (4, 1):
         with (tmp_path / f"ranks{n}" / "gpt_kfac_cpu" / "metrics.csv").open() as f:

@@ -98,10 +98,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, dict, list
     ports = {"2": [launch.free_port() for _ in range(2)], "1": [launch.free_port() for _ in range(4)]}
     spec = out / "spec.json"
     spec.write_text(json.dumps({"4": SCENARIOS[4], "2": SCENARIOS[2], "1": SCENARIOS[1], "ports": ports}))
-    cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "4", "--master_port", str(launch.free_port())]
-    cmd += [str(launch.WORKERS / "plan_worker.py"), "--spec", str(spec), "--out", str(out)]
+    cmds, envs = launch.rank_launch(4, [str(launch.WORKERS / "plan_worker.py"), "--spec", str(spec), "--out", str(out)])
     try:
-        launch.run([cmd], timeout=280)
+        launch.run(cmds, timeout=280, rank_envs=envs)
     finally:
         for port in ports["2"] + ports["1"]:
             release_port_segments(port)
