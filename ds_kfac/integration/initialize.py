@@ -155,6 +155,12 @@ def _warn_near_misses(config: dict) -> None:
         )
 
 
+def raw_gradient_clipping(config: dict) -> float:
+    """The ``gradient_clipping`` DeepSpeed applies for ``config``: its own default (1.0 in 0.19) where the key is
+    left out. With ``eigenbasis_moments`` the engine applies it to the raw gradients itself."""
+    return float(get_gradient_clipping(config))
+
+
 def engine_device(model: torch.nn.Module) -> Optional[torch.device]:
     """Where DeepSpeed's engine will move ``model``: the accelerator's device of this process's local rank
     (``DeepSpeedEngine._set_distributed_vars`` and ``_configure_distributed_model``), unless ZeRO-3's ``zero.Init``
@@ -318,7 +324,7 @@ def initialize(
     if kfac_config.enabled:
         extra["kfac_config"] = kfac_config
         if kfac_config.eigenbasis_moments:  # clip the gradients, not K-FAC's directions (see the module docstring)
-            extra["raw_gradient_clipping"] = float(get_gradient_clipping(config))  # DeepSpeed's default (1.0) if unset
+            extra["raw_gradient_clipping"] = raw_gradient_clipping(config)
             config["gradient_clipping"] = 0.0
     if easgd_config.enabled:
         extra["easgd_config"] = easgd_config

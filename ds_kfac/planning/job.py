@@ -11,6 +11,7 @@ from typing import Any, Union
 import torch
 
 from ..config import KFACConfig, KFACConfigError
+from ..integration.initialize import raw_gradient_clipping
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class Job:
     param_dtype: torch.dtype
     """The model's dtype in the engine (fp16 or bf16 when enabled): the gradients', and ZeRO's flat buffers'."""
     raw_clipping: float
-    """``gradient_clipping`` with DeepSpeed's default (1.0): with ``eigenbasis_moments`` the engine clips the raw
-    gradients itself, one more all-reduce of their norm per step under ZeRO 1/2."""
+    """``gradient_clipping`` with DeepSpeed's default (``integration.initialize.raw_gradient_clipping``): with
+    ``eigenbasis_moments`` the engine clips the raw gradients itself, one more all-reduce of their norm per step
+    under ZeRO 1/2."""
     parameter_alignment: bool
     """``zero_optimization.parameter_alignment`` (where ZeRO 1/2 partitions cut the parameters)."""
     bert: dict[str, Any]
@@ -70,7 +72,7 @@ def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
         )
     micro, accumulation = _batch(config, world, where)
     half = [name for name, key in (("float16", "fp16"), ("bfloat16", "bf16")) if config.get(key, {}).get("enabled")]
-    clipping = config.get("gradient_clipping", 1.0)  # DeepSpeed's default when the key is left out
+    clipping = raw_gradient_clipping(config)
     return Job(
         section=section,
         kfac=kfac,
