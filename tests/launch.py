@@ -30,10 +30,20 @@ WORKERS = Path(__file__).parent / "workers"
 BIN = Path(sys.executable).parent
 
 
+_GIVEN: set[int] = set()
+"""Every port :func:`free_port` has returned in this process."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one returned before in this process: launches started side by side, each asking
+    for a port before any binds it, get different ones."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def one_rank_env() -> dict[str, str]:

@@ -64,10 +64,8 @@ def resnet_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each of :data:`RESNET_CONFIGS` through the real entry point under the deepspeed launcher (2 ranks), the three
     launches side by side (one 2-core machine: each launcher's start-up, one process at a time, overlaps another's
     training): per config, its output directory."""
-    out, cmds, ports = {}, [], set()
-    while len(ports) < len(RESNET_CONFIGS):  # a port each: the launches run at the same time
-        ports.add(launch.free_port())
-    for config, port in zip(RESNET_CONFIGS, sorted(ports)):
+    out, cmds = {}, []
+    for config in RESNET_CONFIGS:
         tmp_path = out[config] = tmp_path_factory.mktemp(Path(config).stem)
         small = {**json.loads((ROOT / "configs" / config).read_text())}
         small.update(train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
@@ -75,7 +73,7 @@ def resnet_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         small["scheduler"]["params"].update(warmup_max_lr=0.2, warmup_num_steps=10, total_num_steps=110)
         small["optimizer"]["params"]["lr"] = 0.2
         (tmp_path / config).write_text(json.dumps(small))
-        cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+        cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
         script = [str(ROOT / "examples/resnet/train.py"), "--deepspeed_config", str(tmp_path / config)]
         script += ["--data", "digits"]
         results = tmp_path / "results.jsonl"
@@ -166,10 +164,7 @@ def test_gpt_example_tensor_and_pipeline_parallel_equals_one_rank(tmp_path: Path
     common = ["--steps", "6", "--eval-every", "3", "--layers", "2", "--hidden", "64", "--seq", "32"]
     cmds, envs = [], []
     for n, parallel in ((4, ["--tp", "2", "--pp", "2"]), (1, [])):
-        while True:  # side by side: two ports
-            ranks = launch.rank_launch(n, script + common + parallel + ["--output-dir", str(tmp_path / f"ranks{n}")])
-            if not envs or ranks[1][0]["MASTER_PORT"] != envs[0]["MASTER_PORT"]:
-                break
+        ranks = launch.rank_launch(n, script + common + parallel + ["--output-dir", str(tmp_path / f"ranks{n}")])
         cmds += ranks[0]
         envs += ranks[1]
     launch.run(cmds, timeout=280, rank_envs=envs)
