@@ -8,7 +8,8 @@ Same arguments and return values as ``deepspeed.initialize``. Differences:
   :func:`ds_kfac.optimizers.build_optimizer` (Apex FusedLAMB, DeepSpeed
   FusedLamb, or the pure-PyTorch LAMB), so LAMB configs also run where
   DeepSpeed's CUDA-only FusedLamb cannot, with or without K-FAC;
-* with ``"eigenbasis_moments": true`` the JSON optimizer (``Lamb``, ``Adam`` or ``AdamW``) is built by
+* with ``"eigenbasis_moments": true`` the JSON optimizer (``Lamb``, ``Adam``, ``AdamW``, or ``Muon``:
+  :mod:`ds_kfac.optimizers.muon`, Muon for the matrices K-FAC leaves) is built by
   ds_kfac with the K-FAC layers' parameters in flagged param groups (:mod:`ds_kfac.optimizers.eigenbasis`),
   and ``gradient_clipping`` moves from DeepSpeed to the engine, which clips the raw gradients before K-FAC
   turns them into directions (DeepSpeed would clip the directions).
@@ -52,6 +53,7 @@ from packaging.version import Version
 from ..config import KFACConfig, KFACConfigError
 from ..easgd import EASGDConfig
 from ..optimizers import build_optimizer, split_groups
+from ..optimizers.muon import build_muon
 from ..preconditioning.build import moment_rule, preconditioned_parameters
 from .easgd import EASGDEngine, KFACEASGDEngine
 from .easgd import refuse_unsupported as refuse_easgd_unsupported
@@ -61,7 +63,7 @@ from .pipeline import KFACPipelineEngine
 from .refusals import refuse_unsupported
 
 JSON_OPTIMIZERS = ("lamb", "sgd")
-EIGENBASIS_OPTIMIZERS = ("lamb", "adam", "adamw")
+EIGENBASIS_OPTIMIZERS = ("lamb", "adam", "adamw", "muon")
 """The JSON optimizer types ``eigenbasis_moments`` can keep moments for (ds_kfac builds them)."""
 
 VERIFIED_DEEPSPEED = SpecifierSet("==0.19.8")
@@ -171,6 +173,20 @@ def engine_device(model: torch.nn.Module) -> Optional[torch.device]:
     return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
 
 
+def _refuse_flat_muon(config: dict) -> None:
+    """JSON ``Muon`` with ``eigenbasis_moments``: ds_kfac's Muon orthogonalises each matrix as the model holds it,
+    so it runs where the optimizer steps the model's own parameters (ZeRO stage 0, fp32), not flat partitions."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    low = [key for key in ("fp16", "bf16") if config.get(key, {}).get("enabled", False)]
+    if stage > 0 or low:
+        given = f"ZeRO stage {stage}" + "".join(f", {key}" for key in low)
+        raise KFACConfigError(
+            f"kfac.eigenbasis_moments with optimizer type 'Muon' steps the model's own matrices, which ZeRO stages "
+            f"1-3 and fp16/bf16 hand the optimizer as flat partitions; this config has {given}: use ZeRO stage 0 in "
+            f"fp32, or optimizer type AdamW/Lamb with the key"
+        )
+
+
 def _optimizer_from_json(
     config: dict, model: torch.nn.Module, model_parameters: Any, kfac_config: KFACConfig
 ) -> Optional[torch.optim.Optimizer]:
@@ -183,7 +199,7 @@ def _optimizer_from_json(
         given = "no JSON optimizer" if kind is None else f"optimizer type {section.get('type')!r}"
         raise KFACConfigError(
             f"kfac.eigenbasis_moments: true keeps the base optimizer's per-element moments in K-FAC's eigenbasis, "
-            f"so it needs an Adam-type JSON optimizer (type Lamb, Adam or AdamW) or a client optimizer built with "
+            f"so it needs an Adam-type JSON optimizer (type Lamb, Adam, AdamW or Muon) or a client optimizer built with "
             f"ds_kfac.optimizers.split_groups; this config has {given}"
             + (" (SGD keeps no second moment: use K-FAC without the key)" if kind == "sgd" else "")
         )
@@ -199,7 +215,12 @@ def _optimizer_from_json(
     params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
     if moments:
         params = split_groups(params, preconditioned_parameters(model, kfac_config))
-    optimizer = build_optimizer(section["type"], params, section.get("params", {}), engine_device(model))
+    if kind == "muon":
+        _refuse_flat_muon(config)
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizer = build_muon(params, names, section.get("params", {}))
+    else:
+        optimizer = build_optimizer(section["type"], params, section.get("params", {}), engine_device(model))
     del config["optimizer"]
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage > 0 and not is_zero_supported_optimizer(optimizer):

@@ -1,0 +1,171 @@
+"""JSON ``Muon`` with ``eigenbasis_moments``: DeepSpeed's Muon for the matrices K-FAC leaves, the key's Adam for
+K-FAC's layers (ds_kfac/optimizers/muon.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import deepspeed
+import pytest
+import torch
+from deepspeed.runtime.zero.muon.original_muon import muon_update
+from torch import nn
+
+import ds_kfac
+from ds_kfac import KFACConfigError
+from ds_kfac.optimizers import GROUP_KEY
+from ds_kfac.optimizers.muon import MUON_KEY, build_muon
+
+MUON = {"muon_lr": 0.02, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.99], "eps": 1e-8}
+
+
+class Tiny(nn.Module):
+    """An embedding (Adam by DeepSpeed's rule), two matrices with biases and a LayerNorm (biases and norm: Adam)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.body = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.body(self.embed(ids)))))
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    """The usual recipe's groups: no weight decay on biases and norms."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if not (n.endswith("bias") or "norm" in n)]},
+        {"params": [p for n, p in named if n.endswith("bias") or "norm" in n], "weight_decay": 0.0},
+    ]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 10, (8,), generator=g), torch.randn(8, 4, generator=g)
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    ids, target = _batch(step)
+    return (model(ids) - target).pow(2).mean()
+
+
+def test_without_kfac_layers_it_is_deepspeeds_json_muon(engines: list) -> None:
+    """Three steps bitwise equal to the optimizer DeepSpeed's engine builds from the same JSON (its torch AdamW
+    half), with per-group weight decay kept: the routing of parameters and every setting are DeepSpeed's."""
+    torch.manual_seed(0)
+    ours, theirs = Tiny(), Tiny()
+    theirs.load_state_dict(ours.state_dict())
+    config = {
+        "train_batch_size": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed's default clips (1.0)
+        "optimizer": {"type": "Muon", "params": {**MUON, "torch_adam": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=theirs, model_parameters=_groups(theirs), config=config)
+    engines.append(engine)
+    names = {id(p): n for n, p in ours.named_parameters()}
+    optimizer = build_muon(_groups(ours), names, MUON)
+    assert sorted(len(g["params"]) for g in optimizer.param_groups if g[MUON_KEY]) == [2]  # body, head weights
+    for step in range(3):
+        engine.backward(_loss(engine.module, step))
+        engine.step()
+        optimizer.zero_grad()
+        _loss(ours, step).backward()
+        optimizer.step()
+    for (name, got), want in zip(ours.named_parameters(), engine.module.parameters()):
+        assert torch.equal(got, want), name
+    before = copy.deepcopy(ours.state_dict())
+    optimizer.zero_grad()
+    _loss(ours, 3).backward()
+    optimizer.step()
+    assert not torch.equal(before["body.weight"], ours.body.weight)  # can fail: the steps do move the weights
+
+
+def _kfac_engine(engines: list, optimizer: dict, model: nn.Module, **extra: Any):
+    config = {
+        "train_batch_size": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": optimizer,
+        "kfac": {"eigenbasis_moments": True, "skip_layers": ["^head"], "factor_update_steps": 1, "inv_update_steps": 1},
+        **extra,
+    }
+    engine, opt, *_ = ds_kfac.initialize(model=model, model_parameters=_groups(model), config=config)
+    engines.append(engine)
+    return engine, opt
+
+
+def test_kfac_layers_take_the_keys_adam_and_the_others_muon(engines: list) -> None:
+    """K-FAC registers ``body``; ``head`` is skipped. After one step ``body`` is where JSON AdamW with the key
+    (at ``adam_lr``) puts it, bitwise; ``head.weight`` took DeepSpeed's Muon update at ``muon_lr``; the
+    embedding is Adam's (the AdamW run's)."""
+    torch.manual_seed(0)
+    models = [Tiny() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    muon, opt = _kfac_engine(engines, {"type": "Muon", "params": MUON}, models[0])
+    adamw = {"lr": MUON["adam_lr"], "weight_decay": MUON["weight_decay"], "betas": MUON["betas"], "eps": MUON["eps"]}
+    adam, _ = _kfac_engine(engines, {"type": "AdamW", "params": adamw}, models[1])
+    flagged = {id(p) for g in opt.param_groups if g.get(GROUP_KEY) for p in g["params"]}
+    assert flagged == {id(models[0].body.weight), id(models[0].body.bias)}
+    assert [(g["params"], g["lr"]) for g in opt.param_groups if g[MUON_KEY]] == [([models[0].head.weight], 0.02)]
+
+    _loss(models[2], 0).backward()  # the reference: the head's gradient at the same weights and batch
+    grad = models[2].head.weight.grad
+    lr, decay = MUON["muon_lr"], MUON["weight_decay"]
+    update = muon_update(grad.clone(), torch.zeros_like(grad), beta=MUON["momentum"])
+    want = models[2].head.weight.detach() * (1 - lr * decay) - lr * update
+
+    for engine in (muon, adam):
+        engine.backward(_loss(engine.module, 0))
+        engine.step()
+    assert torch.equal(models[0].body.weight, models[1].body.weight)
+    assert torch.equal(models[0].embed.weight, models[1].embed.weight)
+    torch.testing.assert_close(models[0].head.weight, want, rtol=0, atol=1e-7)
+    assert not torch.equal(models[0].head.weight, models[1].head.weight)  # can fail: Muon is not Adam
+
+
+@pytest.mark.parametrize(
+    ("extra", "given"),
+    [({"zero_optimization": {"stage": 1}}, "ZeRO stage 1"), ({"bf16": {"enabled": True}}, "ZeRO stage 0, bf16")],
+)
+def test_flat_partitions_are_refused(engines: list, extra: dict, given: str) -> None:
+    with pytest.raises(KFACConfigError, match=f"optimizer type 'Muon'.*flat partitions; this config has {given}:"):
+        _kfac_engine(engines, {"type": "Muon", "params": MUON}, Tiny(), **extra)
+
+
+def test_unknown_keys_are_named() -> None:
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"optimizer type 'Muon': unknown keys \['ns_steps'\]"):
+        build_muon(_groups(model), {id(p): n for n, p in model.named_parameters()}, {**MUON, "ns_steps": 3})
+
+
+def test_state_dict_resumes_bitwise() -> None:
+    """The momentum buffers and Adam's moments travel in ``state_dict``: two steps, a reload into a fresh
+    optimizer, two more steps equal four straight steps."""
+    torch.manual_seed(0)
+    straight, resumed = Tiny(), Tiny()
+    resumed.load_state_dict(straight.state_dict())
+
+    def build(model: nn.Module):
+        return build_muon(_groups(model), {id(p): n for n, p in model.named_parameters()}, MUON)
+
+    def steps(model: nn.Module, optimizer: torch.optim.Optimizer, which: range) -> None:
+        for step in which:
+            optimizer.zero_grad()
+            _loss(model, step).backward()
+            optimizer.step()
+
+    steps(straight, build(straight), range(4))
+    first = build(resumed)
+    steps(resumed, first, range(2))
+    second = build(resumed)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert torch.equal(
+        second.state[resumed.body.weight]["momentum_buffer"], first.state[resumed.body.weight]["momentum_buffer"]
+    )
+    steps(resumed, second, range(2, 4))
+    for (name, got), want in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(got, want), name
