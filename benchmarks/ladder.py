@@ -1,0 +1,203 @@
+"""Size ladder: does K-FAC's gain over tuned AdamW on BERT phase 2 hold as the model grows?
+
+Per size, the demo's recipe with only the model changed (``configs/bert/bert-<size>.json``; sequence 64,
+vocabulary 1,024, global batch 256 on 2 ranks, all as the demo): phase 1 with LAMB
+(``configs/bert_cpu_phase1_lamb.json``, ``--phase1-steps`` per size, the demo's 1,500 by default, trained once by
+``examples/bert/phase1.py`` and reused by its key), then phase 2 from that checkpoint with the peers benchmark's arms (AdamW's
+``configs/bert_cpu_phase2_base.json`` and ds_kfac's ``configs/bert_cpu_phase2_kfac.json``, each rate set with
+``--set ARM:KEY=JSON`` as its per-size grid chose), alternating per seed::
+
+    python benchmarks/ladder.py run 4x256 --seeds 0                     # phase 1 (once), then AdamW and ds_kfac
+    python benchmarks/ladder.py run 4x256 --arms adamw --set adamw:optimizer.params.lr=0.004 --name ladder_4x256_adamw_lr004
+    python benchmarks/ladder.py report benchmarks/results/ladder/ladder_*.json   # ladder.json and its plot
+
+``run`` writes ``<out>/<name>.json`` (the peers benchmark's summary, the size's parameter counts and the
+phase-1 run's curve) and its plot; ``report`` reads one such file per size and writes ``ladder.json`` with K-FAC's
+steps and training seconds to AdamW's median final per size, and ``ladder.png`` (the steps ratio against the
+encoder's parameter count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402
+import time_to_target as ttt  # noqa: E402
+
+ROOT = ttt.ROOT
+SIZES = {
+    "2x128": "configs/bert/bert-tiny.json",
+    "4x256": "configs/bert/bert-4x256.json",
+}
+"""Ladder size (layers x hidden) -> model config; 2x128 is the demo's."""
+BASE = "adamw"
+
+
+def parameter_counts(model_config: str, vocab: int) -> dict[str, int]:
+    """The size's parameters: the encoder's (its layers), and all (embeddings, heads) at ``vocab`` tokens."""
+    from transformers import BertConfig, BertForPreTraining
+
+    settings = json.loads((ROOT / model_config).read_text())
+    model = BertForPreTraining(BertConfig(**{**settings, "vocab_size": vocab}))
+    return {
+        "encoder": sum(p.numel() for p in model.bert.encoder.parameters()),
+        "total": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def phase1(size: str, steps: int, timeout: float, out: Path) -> tuple[Path, dict[str, Any]]:
+    """The size's phase-1 run directory (trained once) and the LAMB config that trained it."""
+    config = ttt.apply_overrides(
+        json.loads((ROOT / "configs/bert_cpu_phase1_lamb.json").read_text()),
+        [f"bert.model={json.dumps(SIZES[size])}", f"bert.max_steps={steps}"],
+    )
+    path = out / "configs" / f"phase1-{size}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1))
+    cmd = [sys.executable, str(ROOT / "examples/bert/phase1.py"), "--config", str(path), "--timeout", str(timeout)]
+    lines = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True).stdout
+    return Path(lines.strip().splitlines()[-1]), config
+
+
+def phase1_curve(run: Path) -> list[tuple[int, float]]:
+    """Phase 1's (step, training loss) at every step: where its plateau lies."""
+    with (run / "metrics.csv").open(newline="") as f:
+        return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out
+    directory, phase1_config = phase1(args.size, args.phase1_steps, args.timeout, out)
+    arms = {arm: peers.ARMS["bert"][arm] for arm in args.arms}
+    sets = peers.parse_sets(args.set, list(arms))
+    model = [f"bert.model={json.dumps(SIZES[args.size])}"]
+    configs = {
+        arm: ttt.apply_overrides(json.loads((ROOT / path).read_text()), model + sets[arm]) for arm, path in arms.items()
+    }
+    name = args.name or f"ladder_{args.size}"
+    labels = {arm: f"{arm} ({Path(path).stem}), BERT {args.size}" for arm, path in arms.items()}
+    runs = peers.run_arms("bert", configs, labels, args.seeds, out / name, [], args.timeout, directory)
+    summary = peers.summarize({arm: [r["curve"] for r in runs if r["arm"] == arm] for arm in arms}, False)
+    result = {
+        "task": "bert",
+        "size": args.size,
+        "model": SIZES[args.size],
+        "parameters": parameter_counts(SIZES[args.size], configs[args.arms[0]]["bert"]["vocab_size"]),
+        "command": shlex.join(["python", "benchmarks/ladder.py", *sys.argv[1:]]),
+        "settings": {
+            "world": 2,
+            "seeds": args.seeds,
+            "metric": "held_out_mlm_loss",
+            "higher_is_better": False,
+            "arms": arms,
+            "set": args.set,
+            "phase1": {"steps": args.phase1_steps, "directory": directory.name, "config": phase1_config},
+        },
+        "configs": configs,
+        "versions": ttt.versions(),
+        "phase1_curve": phase1_curve(directory),
+        "runs": runs,
+        "summary": summary,
+    }
+    target = summary[BASE]["median_final"] if BASE in summary else None
+    peers.save(result, out / name, f"BERT {args.size} phase 2, {len(args.seeds)} seed(s), 2 ranks", target)
+    print(peers.table(result))
+    return result
+
+
+def ratio(result: dict[str, Any]) -> dict[str, Optional[float]]:
+    """ds_kfac's steps and training seconds to AdamW's median final, over AdamW's own (its full budget)."""
+    return peers.ratios(result["summary"], peers.KFAC, BASE)
+
+
+def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
+    """One row per size (its file: AdamW and ds_kfac side by side), the ratio against the encoder's size."""
+    rows = []
+    for path in paths:
+        result = json.loads(path.read_text())
+        summary = result["summary"]
+        r = ratio(result)
+        rows.append(
+            {
+                "size": result["size"],
+                "file": path.name,
+                "command": result["command"],
+                "seeds": result["settings"]["seeds"],
+                "parameters": result["parameters"],
+                "adamw_final": summary[BASE]["median_final"],
+                "kfac_final": summary[peers.KFAC]["median_final"],
+                "kfac_to_adamw_final": summary[peers.KFAC]["to"][BASE],
+                "steps_ratio": r["steps"],
+                "seconds_ratio": r["seconds"],
+                "seconds_per_step": {arm: summary[arm]["seconds_per_step"] for arm in summary},
+            }
+        )
+    rows.sort(key=lambda row: row["parameters"]["encoder"])
+    result = {"command": shlex.join(["python", "benchmarks/ladder.py", *sys.argv[1:]]), "sizes": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ladder.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, out / "ladder.png")
+    for row in rows:
+        print(
+            f"{row['size']}: encoder {row['parameters']['encoder']:,} parameters, seeds {row['seeds']}: "
+            f"AdamW {row['adamw_final']:.4f}, ds_kfac {row['kfac_final']:.4f}; ds_kfac reaches AdamW's final in "
+            f"{peers._fmt(row['steps_ratio'], '.2f')}x its steps, {peers._fmt(row['seconds_ratio'], '.2f')}x its seconds"
+        )
+    return result
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("steps_ratio", "steps"), ("seconds_ratio", "training seconds")):
+        points = [(row["parameters"]["encoder"], row[key]) for row in rows if row[key] is not None]
+        ax.plot(*zip(*points), marker="o", label=label)
+        for row in rows:
+            if row[key] is not None:
+                ax.annotate(row["size"], (row["parameters"]["encoder"], row[key]), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("encoder parameters")
+    ax.set_ylabel("ds_kfac / AdamW to AdamW's final")
+    ax.set_title("BERT phase 2: K-FAC's gain over tuned AdamW by size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="one size: phase 1 (once), then the arms side by side")
+    r.add_argument("size", choices=sorted(SIZES))
+    r.add_argument("--arms", nargs="+", default=[BASE, peers.KFAC], choices=sorted(peers.ARMS["bert"]))
+    r.add_argument("--set", action="append", default=[], metavar="ARM:KEY=JSON", help="override in an arm")
+    r.add_argument("--seeds", type=int, nargs="+", default=[0])
+    r.add_argument("--phase1-steps", type=int, default=1500, help="phase 1's LAMB steps at this size")
+    r.add_argument("--name", help="the result's file name (default: ladder_<size>)")
+    r.add_argument("--out", type=Path, default=ROOT / "runs" / "ladder")
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p = sub.add_parser("report", help="ladder.json and ladder.png from one run's JSON per size")
+    p.add_argument("results", type=Path, nargs="+")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ladder")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args)
+    else:
+        report(args.results, args.out)
+
+
+if __name__ == "__main__":
+    main()
