@@ -260,6 +260,14 @@ def test_the_command_prints_the_plan(
         assert all(f"{fraction} {reduction}" in out for reduction in ("allreduce", "reduce", "local"))
 
 
+MUON_ZERO2 = {
+    "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 0.008}},
+    "zero_optimization": {"stage": 2},
+    "kfac": {"eigenbasis_moments": True},
+}
+"""JSON Muon with the key at ZeRO 2, which ``ds_kfac.initialize`` refuses: the planner refuses it too."""
+
+
 @pytest.mark.parametrize(
     "args,config,message",
     [
@@ -272,8 +280,9 @@ def test_the_command_prints_the_plan(
         ([], {**BERT_TINY, "train_batch_size": 100}, "do not fit 4 ranks"),
         ([], {**BERT_TINY, "kfac": {"damping": -1}}, "kfac.damping"),
         ([], {**BERT_TINY, "bert": {}}, "--model is required"),
+        ([], {**BERT_TINY, **MUON_ZERO2}, "optimizer type 'Muon' steps the model's own matrices"),
     ],
-    ids=["preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "batch", "kfac_key", "no_model"],
+    ids=["preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "batch", "kfac_key", "no_model", "muon"],
 )
 def test_bad_input_is_named(tmp_path: Path, args: list[str], config: dict, message: str) -> None:
     path = tmp_path / "ds.json"

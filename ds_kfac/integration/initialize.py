@@ -173,9 +173,14 @@ def engine_device(model: torch.nn.Module) -> Optional[torch.device]:
     return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
 
 
-def _refuse_flat_muon(config: dict) -> None:
-    """JSON ``Muon`` with ``eigenbasis_moments``: ds_kfac's Muon orthogonalises each matrix as the model holds it,
-    so it runs where the optimizer steps the model's own parameters (ZeRO stage 0, fp32), not flat partitions."""
+def refuse_flat_muon(config: dict) -> None:
+    """A JSON ``Muon`` optimizer with ``eigenbasis_moments`` (ds_kfac's :mod:`~ds_kfac.optimizers.muon`)
+    orthogonalises each matrix as the model holds it, so it runs where the optimizer steps the model's own
+    parameters (ZeRO stage 0, fp32), not flat partitions: refused otherwise, naming what the config has. Also read
+    by the planner, which plans only what launches."""
+    section = config.get("optimizer")
+    if not isinstance(section, dict) or str(section.get("type", "")).lower() != "muon":
+        return
     stage = config.get("zero_optimization", {}).get("stage", 0)
     low = [key for key in ("fp16", "bf16") if config.get(key, {}).get("enabled", False)]
     if stage > 0 or low:
@@ -216,7 +221,7 @@ def _optimizer_from_json(
     if moments:
         params = split_groups(params, preconditioned_parameters(model, kfac_config))
     if kind == "muon":
-        _refuse_flat_muon(config)
+        refuse_flat_muon(config)
         names = {id(p): name for name, p in model.named_parameters()}
         optimizer = build_muon(params, names, section.get("params", {}))
     else:

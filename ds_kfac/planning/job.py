@@ -11,7 +11,7 @@ from typing import Any, Union
 import torch
 
 from ..config import KFACConfig, KFACConfigError
-from ..integration.initialize import raw_gradient_clipping
+from ..integration.initialize import raw_gradient_clipping, refuse_flat_muon
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
     kfac = KFACConfig.parse(section)
     if not kfac.enabled:
         raise KFACConfigError(f'{where}: "kfac" has "enabled": false, so K-FAC holds and sends nothing')
+    if kfac.eigenbasis_moments:
+        refuse_flat_muon(config)
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
