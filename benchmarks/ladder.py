@@ -35,7 +35,9 @@ import time_to_target as ttt  # noqa: E402
 ROOT = ttt.ROOT
 SIZES = {
     "2x128": "configs/bert/bert-tiny.json",
+    "2x256": "configs/bert/bert-2x256.json",
     "4x256": "configs/bert/bert-4x256.json",
+    "4x384": "configs/bert/bert-4x384.json",
 }
 """Ladder size (layers x hidden) -> model config; 2x128 is the demo's."""
 BASE = "adamw"
@@ -54,14 +56,16 @@ def parameter_counts(model_config: str, vocab: int) -> dict[str, int]:
 
 
 def phase1(size: str, steps: int, timeout: float, out: Path) -> tuple[Path, dict[str, Any]]:
-    """The size's phase-1 run directory (trained once) and the LAMB config that trained it."""
-    config = ttt.apply_overrides(
-        json.loads((ROOT / "configs/bert_cpu_phase1_lamb.json").read_text()),
-        [f"bert.model={json.dumps(SIZES[size])}", f"bert.max_steps={steps}"],
-    )
-    path = out / "configs" / f"phase1-{size}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1))
+    """The size's phase-1 run directory (trained once) and the LAMB config that trained it: the demo's own file
+    where nothing changes (so the demo's phase 1 is reused), else a copy with the model and steps set."""
+    demo = ROOT / "configs/bert_cpu_phase1_lamb.json"
+    base = json.loads(demo.read_text())
+    config = ttt.apply_overrides(base, [f"bert.model={json.dumps(SIZES[size])}", f"bert.max_steps={steps}"])
+    path = demo
+    if config != base:
+        path = out / "configs" / f"phase1-{size}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=1))
     cmd = [sys.executable, str(ROOT / "examples/bert/phase1.py"), "--config", str(path), "--timeout", str(timeout)]
     lines = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True).stdout
     return Path(lines.strip().splitlines()[-1]), config
@@ -75,7 +79,10 @@ def phase1_curve(run: Path) -> list[tuple[int, float]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out
-    directory, phase1_config = phase1(args.size, args.phase1_steps, args.timeout, out)
+    if args.phase1 is None:
+        directory, phase1_config = phase1(args.size, args.phase1_steps, args.timeout, out)
+    else:  # a phase-1 run of this size trained before (the demo's, under an older key of examples/bert/phase1.py)
+        directory, phase1_config = args.phase1, None
     arms = {arm: peers.ARMS["bert"][arm] for arm in args.arms}
     sets = peers.parse_sets(args.set, list(arms))
     model = [f"bert.model={json.dumps(SIZES[args.size])}"]
@@ -99,7 +106,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "higher_is_better": False,
             "arms": arms,
             "set": args.set,
-            "phase1": {"steps": args.phase1_steps, "directory": directory.name, "config": phase1_config},
+            "phase1": {
+                "steps": args.phase1_steps,
+                "directory": directory.name,
+                "config": phase1_config,
+            },  # None: --phase1
         },
         "configs": configs,
         "versions": ttt.versions(),
@@ -186,6 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--set", action="append", default=[], metavar="ARM:KEY=JSON", help="override in an arm")
     r.add_argument("--seeds", type=int, nargs="+", default=[0])
     r.add_argument("--phase1-steps", type=int, default=1500, help="phase 1's LAMB steps at this size")
+    r.add_argument("--phase1", type=Path, help="a phase-1 run directory of this size to start from (default: trained)")
     r.add_argument("--name", help="the result's file name (default: ladder_<size>)")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "ladder")
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")

@@ -75,7 +75,8 @@ def build(out: Path, cache: Path, config: Path, seed: int, timeout: float) -> Pa
     steps = json.loads(config.read_text())["bert"]["max_steps"]
     if not (run / "checkpoints" / f"step{steps}").is_dir() or not (run / "tokenizer").is_dir():
         raise RuntimeError(f"phase 1 finished without its checkpoint step{steps} or tokenizer in {run}")
-    (run / COMPLETE).write_text(json.dumps({"config": str(config.relative_to(ROOT)), "seed": seed}) + "\n")
+    where = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config  # a benchmark's config under --out
+    (run / COMPLETE).write_text(json.dumps({"config": str(where), "seed": seed}) + "\n")
     return run
 
 
