@@ -14,13 +14,13 @@ no ``embed`` or ``lm_head`` in the name), less those K-FAC registers."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .adam import Adam
-from .common import ParamsT, evaluate_closure
+from .common import ParamsT
 from .eigenbasis import GROUP_KEY
 
 MUON_KEY = "use_muon"
@@ -67,20 +67,12 @@ class Muon(Adam):
             group.setdefault("momentum", momentum)
             group.setdefault(MUON_KEY, False)
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """Apply one update to every parameter that has a gradient."""
-        loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            given = bool(group.get(GROUP_KEY, False))
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group[MUON_KEY]:
-                    self._muon(p, group)
-                else:
-                    self._update(p, group, given)
-        return loss
+    def _update(self, p: Tensor, group: dict[str, Any], direction_given: bool) -> None:
+        """One parameter's update: Muon's in a ``use_muon`` group, else Adam's."""
+        if group[MUON_KEY]:
+            self._muon(p, group)
+        else:
+            super()._update(p, group, direction_given)
 
     def _muon(self, p: Tensor, group: dict[str, Any]) -> None:
         """One matrix's Muon update."""
