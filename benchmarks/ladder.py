@@ -23,7 +23,6 @@ import argparse
 import csv
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -66,9 +65,7 @@ def phase1(size: str, steps: int, timeout: float, out: Path) -> tuple[Path, dict
         path = out / "configs" / f"phase1-{size}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(config, indent=1))
-    cmd = [sys.executable, str(ROOT / "examples/bert/phase1.py"), "--config", str(path), "--timeout", str(timeout)]
-    lines = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True).stdout
-    return Path(lines.strip().splitlines()[-1]), config
+    return ttt.build_phase1(timeout, path), config
 
 
 def phase1_curve(run: Path) -> list[tuple[int, float]]:
@@ -124,18 +121,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def ratio(result: dict[str, Any]) -> dict[str, Optional[float]]:
-    """ds_kfac's steps and training seconds to AdamW's median final, over AdamW's own (its full budget)."""
-    return peers.ratios(result["summary"], peers.KFAC, BASE)
-
-
 def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     """One row per size (its file: AdamW and ds_kfac side by side), the ratio against the encoder's size."""
     rows = []
     for path in paths:
         result = json.loads(path.read_text())
         summary = result["summary"]
-        r = ratio(result)
+        r = peers.ratios(summary, peers.KFAC, BASE)  # to AdamW's median final, over AdamW's full budget
         rows.append(
             {
                 "size": result["size"],

@@ -273,9 +273,11 @@ def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra:
         raise RuntimeError(f"run {run_name} {why}; see {log}")
 
 
-def build_phase1(timeout: float) -> Path:
-    """The BERT demo's phase-1 run directory (``examples/bert/phase1.py``: trained once, then reused)."""
+def build_phase1(timeout: float, config: Optional[Path] = None) -> Path:
+    """The phase-1 run directory of ``config`` (default: the BERT demo's; ``examples/bert/phase1.py``: trained
+    once, then reused)."""
     cmd = [sys.executable, str(ROOT / "examples/bert/phase1.py"), "--timeout", str(timeout)]
+    cmd += [] if config is None else ["--config", str(config)]
     out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True).stdout
     return Path(out.strip().splitlines()[-1])
 
