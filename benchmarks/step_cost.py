@@ -16,6 +16,9 @@ CIFAR ResNet-20 and the demo's ResNet-8) on 1 or 2 CPU processes (gloo, one thre
     python benchmarks/step_cost.py run --smoke --out /tmp/smoke.json     # BERT-tiny, ResNet-8 at 16x16 (CI)
     python benchmarks/step_cost.py run --device cuda --workloads bert-base --worlds 1 --ga 8  # BERT-base shapes
                                                                          # on a GPU (benchmarks/gpu/run.py)
+    python benchmarks/step_cost.py run --workloads bert-base-l2 bert-large-l2 --worlds 2 --ga 8 32 --cycles 1 \
+        --warmup-steps 1 --set factor_update_steps=2 --set inv_update_steps=4   # BERT-base and BERT-large layer
+                                                                         # shapes (2 layers), micro-batch 1 x 128
     python benchmarks/step_cost.py table benchmarks/results/step_cost.json
 
 Method. Every configuration (workload, world, placement, gradient accumulation
@@ -101,7 +104,9 @@ Output (``--out FILE.json``, a PNG beside it, and the Markdown table on stdout):
           "classes": {"plain" | "factor" | "decomposition": {"count", "mean_ms", "phases_ms", "coverage"}},
           "step_ms": [[every measured step of cycle 1], ...] (step i of a cycle has schedule index i)}},
        "ratio": {"mean" (the headline: kfac mean_ms / base mean_ms), "median", "min", "max",
-                 "per_cycle": [kfac / base mean step of each measured cycle]},
+                 "per_cycle": [kfac / base mean step of each measured cycle],
+                 "recipe_cadence": {the workload config's own factor_update_steps, inv_update_steps},
+                 "at_recipe_cadence": K-FAC's per-class means amortized at that cadence / base mean},
        "floor": {"flops_per_step": {"forward_backward", "factors", "precondition", "decompose"}, "ratio",
                  "overhead_vs_floor", "phases": {"factors" | "precondition" | "decompose":
                  {"floor_ms", "measured_ms", "measured_phases", "times_floor"}}},
@@ -191,6 +196,14 @@ BERT_DEMO_DATA = {"seq": 64, "micro": 32, "vocab": 1024}  # the CPU demo's (conf
 BERT_SMOKE_DATA = {"seq": 32, "micro": 8, "vocab": 512}
 BERT_BASE = json.loads((ROOT / "configs/bert/bert-base.json").read_text())  # 12 x 768
 BERT_BASE_DATA = {"seq": 128, "micro": 16, "vocab": 30522}  # BERT's WordPiece vocabulary, phase 1's sequence
+BERT_LARGE = json.loads((ROOT / "configs/bert/bert-large.json").read_text())  # 24 x 1024
+BERT_SHAPES_CPU_DATA = {"seq": 128, "micro": 1, "vocab": 30522}  # users' shapes at the smallest micro-batch
+
+
+def layers(config: dict[str, Any], depth: int) -> dict[str, Any]:
+    """``config`` with ``depth`` of its encoder layers: every layer has the same shapes, so the per-layer costs of
+    the full model are measured on a few (the CPU cannot run BERT-large's 24 in a working session)."""
+    return {**config, "num_hidden_layers": depth}
 
 
 def build_bert(size: Optional[dict[str, int]], data: dict[str, int]) -> Callable[[bool], nn.Module]:
@@ -298,6 +311,16 @@ WORKLOADS = {
         bert_batch(BERT_BASE_DATA),
         bert_outputs,
     ),
+    **{
+        f"{name}-l2": Workload(  # users' layer shapes on the CPU, 2 of the layers (LAMB: the phase-1 recipe)
+            "configs/bert_cpu_phase1_kfac.json",
+            build_bert(layers(size, 2), BERT_SHAPES_CPU_DATA),
+            lambda params: Lamb(params, lr=1e-3),
+            bert_batch(BERT_SHAPES_CPU_DATA),
+            bert_outputs,
+        )
+        for name, size in (("bert-base", BERT_BASE), ("bert-large", BERT_LARGE))
+    },
     "bert-demo": Workload(  # the BERT demo's model, micro-batch and phase-2 base optimizer
         "configs/bert_cpu_phase2_kfac.json",
         build_bert(None, BERT_DEMO_DATA),
@@ -323,6 +346,8 @@ WORKLOADS = {
 PLACEMENTS = ("comm-opt", "mem-opt")
 GPU_WORKLOADS = ("bert-base",)
 """Too large for the CPU machine: left out of the default ``--workloads`` (benchmarks/gpu/ runs them)."""
+SHAPE_WORKLOADS = ("bert-base-l2", "bert-large-l2")
+"""BERT-base's and BERT-large's layer shapes at a few layers: minutes per configuration, so named explicitly."""
 
 
 def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement: str) -> dict[str, Any]:
@@ -338,6 +363,12 @@ def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement
                 f"step_cost needs an integer {key} >= 1 (cycles are whole decomposition periods), got {value!r}"
             )
     return section
+
+
+def recipe_cadence(workload: str) -> dict[str, int]:
+    """The workload config's own factor and decomposition intervals (its recipe's), before ``CADENCE`` and ``--set``."""
+    section = json.loads((ROOT / WORKLOADS[workload].kfac_config).read_text())["kfac"]
+    return {key: section.get(key, CADENCE[key]) for key in CADENCE}
 
 
 # ---------------------------------------------------------------- the floor
@@ -683,6 +714,18 @@ def summarize_arm(records: Sequence[Record]) -> dict[str, Any]:
     return out
 
 
+def amortized_ms(classes: dict[str, dict[str, Any]], cadence: dict[str, int]) -> Optional[float]:
+    """The mean step at another cadence, from the measured per-class means: per ``inv_update_steps`` steps one
+    decomposition step, ``inv / factor - 1`` factor steps and the rest plain (``None`` unless all three were measured
+    and ``factor_update_steps`` divides ``inv_update_steps``). For shapes too slow on the CPU to run whole cycles of
+    the recipe's cadence."""
+    factor, inv = cadence["factor_update_steps"], cadence["inv_update_steps"]
+    if inv % factor or any(c not in classes for c in CLASSES):
+        return None
+    counts = {"decomposition": 1, "factor": inv // factor - 1, "plain": inv - inv // factor}
+    return sum(n * classes[c]["mean_ms"] for c, n in counts.items()) / inv
+
+
 def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's result from its ranks' measurements (timings from rank 0)."""
     records = ranks[0]["records"]
@@ -692,6 +735,7 @@ def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str
     ]
     ratio = arms["kfac"]["mean_ms"] / arms["base"]["mean_ms"]
     memory = [r["memory"] for r in ranks]
+    recipe = amortized_ms(arms["kfac"]["classes"], spec["recipe_cadence"])
     return {
         **{key: spec[key] for key in ("workload", "world", "placement", "ga", "load_before")},
         "kfac_config": spec["kfac_config"],
@@ -703,6 +747,9 @@ def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str
             "min": min(per_cycle),
             "max": max(per_cycle),
             "per_cycle": per_cycle,
+            # K-FAC's mean step at the workload config's own cadence over the base's mean step
+            "recipe_cadence": spec["recipe_cadence"],
+            "at_recipe_cadence": None if recipe is None else recipe / arms["base"]["mean_ms"],
         },
         "floor": floor_summary(ranks[0]["flops"], arms["base"]["mean_ms"], arms["kfac"]["phases_ms"], ratio),
         "memory": {
@@ -731,8 +778,9 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     rows = [
         "| workload | K-FAC settings | world | placement | GA | base ms | K-FAC ms "
         "| K-FAC/base: mean (median, range over cycles) | floor ratio | overhead/floor "
-        "| K-FAC slowest step/median (base) | K-FAC costliest step class/median | K-FAC state MiB/rank |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| K-FAC slowest step/median (base) | K-FAC costliest step class/median | K-FAC state MiB/rank "
+        "| K-FAC/base at the config's cadence |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for result in results:
         settings = overrides_label(result["settings"]["set"])
@@ -749,9 +797,18 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 f"| {c['arms']['base']['mean_ms']:.1f} | {k['mean_ms']:.1f} "
                 f"| {r['mean']:.3f} ({r['median']:.3f}, {r['min']:.3f}-{r['max']:.3f}) "
                 f"| {f['ratio']:.3f} | {over} | {k['slowest_ms'] / k['median_ms']:.2f} ({base_spread:.2f}) "
-                f"| {costliest / k['median_ms']:.2f} | {state:.1f} |"
+                f"| {costliest / k['median_ms']:.2f} | {state:.1f} | {_at_recipe(r)} |"
             )
     return "\n".join(rows)
+
+
+def _at_recipe(ratio: dict[str, Any]) -> str:
+    """``1.234 (5/25)``: the ratio amortized at the config's cadence; ``-`` where not derived (older results, or a
+    step class not measured)."""
+    value, cadence = ratio.get("at_recipe_cadence"), ratio.get("recipe_cadence")
+    if value is None:
+        return "-"
+    return f"{value:.3f} ({cadence['factor_update_steps']}/{cadence['inv_update_steps']})"
 
 
 def phase_table(results: Sequence[dict[str, Any]]) -> str:
@@ -831,6 +888,7 @@ def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> di
     spec = {
         **config,
         "kfac_config": kfac_section(config["workload"], args.smoke, args.set, config["placement"]),
+        "recipe_cadence": recipe_cadence(config["workload"]),
         "cycles": args.cycles,
         "warmup_steps": args.warmup_steps,
         "base_optimizer": args.base_optimizer,
@@ -909,7 +967,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="measure base and K-FAC steps by phase")
     r.add_argument(
-        "--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(set(WORKLOADS) - set(GPU_WORKLOADS))
+        "--workloads",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=sorted(set(WORKLOADS) - set(GPU_WORKLOADS) - set(SHAPE_WORKLOADS)),
     )
     r.add_argument("--worlds", nargs="+", type=int, choices=(1, 2), default=[1, 2])
     r.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))

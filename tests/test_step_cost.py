@@ -37,7 +37,7 @@ SCHEMA = {
     },
     "arm": {"mean_ms", "median_ms", "slowest_ms", "coverage", "phases_ms", "classes", "step_ms"},
     "class": {"count", "mean_ms", "phases_ms", "coverage"},
-    "ratio": {"mean", "median", "min", "max", "per_cycle"},
+    "ratio": {"mean", "median", "min", "max", "per_cycle", "recipe_cadence", "at_recipe_cadence"},
     "floor": {"flops_per_step", "ratio", "overhead_vs_floor", "phases"},
     "memory": {"kfac_state_bytes", "kfac_state_bytes_in_step", "model_param_bytes", "peak_rss_bytes"},
 }
@@ -131,6 +131,12 @@ def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
         assert set(c["ratio"]) == SCHEMA["ratio"] and len(c["ratio"]["per_cycle"]) == CYCLES
         assert c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
         assert c["ratio"]["mean"] == pytest.approx(kfac["mean_ms"] / c["arms"]["base"]["mean_ms"])
+        # At the measured cadence the class means amortize back to the measured mean; the recipe's is the config's.
+        assert sc.amortized_ms(kfac["classes"], c["kfac_config"]) == pytest.approx(kfac["mean_ms"])
+        recipe = json.loads((ROOT / sc.WORKLOADS[c["workload"]].kfac_config).read_text())["kfac"]
+        assert c["ratio"]["recipe_cadence"] == {k: recipe.get(k, sc.CADENCE[k]) for k in sc.CADENCE}
+        at_recipe = sc.amortized_ms(kfac["classes"], c["ratio"]["recipe_cadence"]) / c["arms"]["base"]["mean_ms"]
+        assert c["ratio"]["at_recipe_cadence"] == pytest.approx(at_recipe)
         floor = c["floor"]
         assert set(floor) == SCHEMA["floor"] and floor["ratio"] > 1
         # The measured overhead in units of the floor's, from the recorded means (its sign is timing noise: at smoke
@@ -156,6 +162,16 @@ def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
             assert memory["kfac_state_bytes_in_step"][0]["accumulators"] > 0
         rss = memory["peak_rss_bytes"]
         assert all(0 < b <= k for b, k in zip(rss["base_only"], rss["with_kfac"])) and len(rss["base_only"]) == world
+
+
+def test_amortized_step_at_another_cadence() -> None:
+    """Per ``inv`` steps: one decomposition step, ``inv / factor - 1`` factor steps, the rest plain."""
+    classes = {"plain": {"mean_ms": 1.0}, "factor": {"mean_ms": 3.0}, "decomposition": {"mean_ms": 30.0}}
+    assert sc.amortized_ms(classes, {"factor_update_steps": 5, "inv_update_steps": 25}) == (30 + 4 * 3 + 20) / 25
+    assert sc.amortized_ms(classes, {"factor_update_steps": 2, "inv_update_steps": 4}) == (30 + 3 + 2) / 4
+    assert sc.amortized_ms(classes, {"factor_update_steps": 3, "inv_update_steps": 10}) is None  # 3 does not divide 10
+    del classes["plain"]
+    assert sc.amortized_ms(classes, {"factor_update_steps": 5, "inv_update_steps": 25}) is None
 
 
 @pytest.mark.parametrize(
