@@ -12,9 +12,9 @@ vocabulary 1,024, global batch 256 on 2 ranks, all as the demo): phase 1 with LA
     python benchmarks/ladder.py report benchmarks/results/ladder/ladder_*.json   # ladder.json and its plot
 
 ``run`` writes ``<out>/<name>.json`` (the peers benchmark's summary, the size's parameter counts and the
-phase-1 run's curve) and its plot; ``report`` reads one such file per size and writes ``ladder.json`` with K-FAC's
-steps and training seconds to AdamW's median final per size, and ``ladder.png`` (the steps ratio against the
-encoder's parameter count).
+phase-1 run's curve) and its plot; ``report`` reads such files (several per size: its rate grid, each arm taken at
+its grid's best) and writes ``ladder.json`` with K-FAC's steps and training seconds to AdamW's median final per
+size, and ``ladder.png`` (the ratio against the encoder's parameter count).
 """
 
 from __future__ import annotations
@@ -122,19 +122,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
-    """One row per size (its file: AdamW and ds_kfac side by side), the ratio against the encoder's size."""
-    rows = []
+    """One row per size, the ratio against the encoder's size. A size may have several files (its rate grid): each
+    arm is taken from the file where its median final is lowest (its grid's choice), and the two chosen arms' curves
+    are compared afresh; ``side_by_side`` says whether both came from one run (else their seconds ran apart)."""
+    grids: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for path in paths:
         result = json.loads(path.read_text())
-        summary = result["summary"]
+        grids.setdefault(result["size"], []).append((path, result))
+    rows = []
+    for size, grid in grids.items():
+        chosen = {}
+        for arm in (BASE, peers.KFAC):
+            held = [(path, result) for path, result in grid if arm in result["summary"]]
+            if not held:
+                raise SystemExit(f"ladder report: no file of size {size} has the arm {arm!r}")
+            chosen[arm] = min(held, key=lambda item: item[1]["summary"][arm]["median_final"])
+        curves = {arm: [r["curve"] for r in result["runs"] if r["arm"] == arm] for arm, (_, result) in chosen.items()}
+        summary = peers.summarize(curves, False)
         r = peers.ratios(summary, peers.KFAC, BASE)  # to AdamW's median final, over AdamW's full budget
         rows.append(
             {
-                "size": result["size"],
-                "file": path.name,
-                "command": result["command"],
-                "seeds": result["settings"]["seeds"],
-                "parameters": result["parameters"],
+                "size": size,
+                "files": {arm: path.name for arm, (path, _) in chosen.items()},
+                "side_by_side": chosen[BASE][0] == chosen[peers.KFAC][0],
+                "grid": {
+                    arm: {
+                        path.name: result["summary"][arm]["median_final"]
+                        for path, result in grid
+                        if arm in result["summary"]
+                    }
+                    for arm in chosen
+                },
+                "commands": {arm: result["command"] for arm, (_, result) in chosen.items()},
+                "seeds": {arm: result["settings"]["seeds"] for arm, (_, result) in chosen.items()},
+                "parameters": chosen[BASE][1]["parameters"],
                 "adamw_final": summary[BASE]["median_final"],
                 "kfac_final": summary[peers.KFAC]["median_final"],
                 "kfac_to_adamw_final": summary[peers.KFAC]["to"][BASE],
@@ -149,10 +170,12 @@ def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     (out / "ladder.json").write_text(json.dumps(result, indent=1))
     _plot(rows, out / "ladder.png")
     for row in rows:
+        apart = "" if row["side_by_side"] else " (the arms' best rates ran apart: seconds not side by side)"
         print(
-            f"{row['size']}: encoder {row['parameters']['encoder']:,} parameters, seeds {row['seeds']}: "
-            f"AdamW {row['adamw_final']:.4f}, ds_kfac {row['kfac_final']:.4f}; ds_kfac reaches AdamW's final in "
-            f"{peers._fmt(row['steps_ratio'], '.2f')}x its steps, {peers._fmt(row['seconds_ratio'], '.2f')}x its seconds"
+            f"{row['size']}: encoder {row['parameters']['encoder']:,} parameters: AdamW {row['adamw_final']:.4f} "
+            f"({row['files'][BASE]}), ds_kfac {row['kfac_final']:.4f} ({row['files'][peers.KFAC]}); ds_kfac reaches "
+            f"AdamW's final in {peers._fmt(row['steps_ratio'], '.2f')}x its steps, "
+            f"{peers._fmt(row['seconds_ratio'], '.2f')}x its seconds{apart}"
         )
     return result
 
@@ -193,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--name", help="the result's file name (default: ladder_<size>)")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "ladder")
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    p = sub.add_parser("report", help="ladder.json and ladder.png from one run's JSON per size")
+    p = sub.add_parser("report", help="ladder.json and ladder.png from the runs' JSON (each arm at its grid's best)")
     p.add_argument("results", type=Path, nargs="+")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ladder")
     args = parser.parse_args(argv)
