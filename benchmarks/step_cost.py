@@ -200,7 +200,7 @@ BERT_LARGE = json.loads((ROOT / "configs/bert/bert-large.json").read_text())  # 
 BERT_SHAPES_CPU_DATA = {"seq": 128, "micro": 1, "vocab": 30522}  # users' shapes at the smallest micro-batch
 
 
-def layers(config: dict[str, Any], depth: int) -> dict[str, Any]:
+def with_depth(config: dict[str, Any], depth: int) -> dict[str, Any]:
     """``config`` with ``depth`` of its encoder layers: every layer has the same shapes, so the per-layer costs of
     the full model are measured on a few (the CPU cannot run BERT-large's 24 in a working session)."""
     return {**config, "num_hidden_layers": depth}
@@ -314,7 +314,7 @@ WORKLOADS = {
     **{
         f"{name}-l2": Workload(  # users' layer shapes on the CPU, 2 of the layers (LAMB: the phase-1 recipe)
             "configs/bert_cpu_phase1_kfac.json",
-            build_bert(layers(size, 2), BERT_SHAPES_CPU_DATA),
+            build_bert(with_depth(size, 2), BERT_SHAPES_CPU_DATA),
             lambda params: Lamb(params, lr=1e-3),
             bert_batch(BERT_SHAPES_CPU_DATA),
             bert_outputs,
