@@ -187,12 +187,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("steps_ratio", "steps"), ("seconds_ratio", "training seconds")):
-        points = [(row["parameters"]["encoder"], row[key]) for row in rows if row[key] is not None]
-        ax.plot(*zip(*points), marker="o", label=label)
-        for row in rows:
-            if row[key] is not None:
-                ax.annotate(row["size"], (row["parameters"]["encoder"], row[key]), fontsize=8)
+    for key, label in (("steps_ratio", "steps"), ("seconds_ratio", "training seconds (arms side by side)")):
+        shown = [r for r in rows if r[key] is not None and (key == "steps_ratio" or r["side_by_side"])]
+        ax.plot([r["parameters"]["encoder"] for r in shown], [r[key] for r in shown], marker="o", label=label)
+        for row in shown:
+            ax.annotate(row["size"], (row["parameters"]["encoder"], row[key]), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("encoder parameters")
     ax.set_ylabel("ds_kfac / AdamW to AdamW's final")
