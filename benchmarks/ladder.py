@@ -103,11 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "higher_is_better": False,
             "arms": arms,
             "set": args.set,
-            "phase1": {
-                "steps": args.phase1_steps,
-                "directory": directory.name,
-                "config": phase1_config,
-            },  # None: --phase1
+            "phase1": {"steps": args.phase1_steps, "directory": directory.name, "config": phase1_config},
         },
         "configs": configs,
         "versions": ttt.versions(),
@@ -131,31 +127,27 @@ def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
         grids.setdefault(result["size"], []).append((path, result))
     rows = []
     for size, grid in grids.items():
-        chosen = {}
-        for arm in (BASE, peers.KFAC):
-            held = [(path, result) for path, result in grid if arm in result["summary"]]
+        finals = {
+            arm: {path: r["summary"][arm]["median_final"] for path, r in grid if arm in r["summary"]}
+            for arm in (BASE, peers.KFAC)
+        }
+        for arm, held in finals.items():
             if not held:
                 raise SystemExit(f"ladder report: no file of size {size} has the arm {arm!r}")
-            chosen[arm] = min(held, key=lambda item: item[1]["summary"][arm]["median_final"])
-        curves = {arm: [r["curve"] for r in result["runs"] if r["arm"] == arm] for arm, (_, result) in chosen.items()}
+        results = dict(grid)
+        best = {arm: min(held, key=held.__getitem__) for arm, held in finals.items()}  # the file of its lowest final
+        curves = {arm: [r["curve"] for r in results[path]["runs"] if r["arm"] == arm] for arm, path in best.items()}
         summary = peers.summarize(curves, False)
         r = peers.ratios(summary, peers.KFAC, BASE)  # to AdamW's median final, over AdamW's full budget
         rows.append(
             {
                 "size": size,
-                "files": {arm: path.name for arm, (path, _) in chosen.items()},
-                "side_by_side": chosen[BASE][0] == chosen[peers.KFAC][0],
-                "grid": {
-                    arm: {
-                        path.name: result["summary"][arm]["median_final"]
-                        for path, result in grid
-                        if arm in result["summary"]
-                    }
-                    for arm in chosen
-                },
-                "commands": {arm: result["command"] for arm, (_, result) in chosen.items()},
-                "seeds": {arm: result["settings"]["seeds"] for arm, (_, result) in chosen.items()},
-                "parameters": chosen[BASE][1]["parameters"],
+                "files": {arm: path.name for arm, path in best.items()},
+                "side_by_side": best[BASE] == best[peers.KFAC],
+                "grid": {arm: {path.name: final for path, final in held.items()} for arm, held in finals.items()},
+                "commands": {arm: results[path]["command"] for arm, path in best.items()},
+                "seeds": {arm: results[path]["settings"]["seeds"] for arm, path in best.items()},
+                "parameters": results[best[BASE]]["parameters"],
                 "adamw_final": summary[BASE]["median_final"],
                 "kfac_final": summary[peers.KFAC]["median_final"],
                 "kfac_to_adamw_final": summary[peers.KFAC]["to"][BASE],

@@ -350,9 +350,14 @@ SHAPE_WORKLOADS = ("bert-base-l2", "bert-large-l2")
 """BERT-base's and BERT-large's layer shapes at a few layers: minutes per configuration, so named explicitly."""
 
 
+def shipped_section(workload: str) -> dict[str, Any]:
+    """The workload config's ``"kfac"`` section as the file has it."""
+    return json.loads((ROOT / WORKLOADS[workload].kfac_config).read_text())["kfac"]
+
+
 def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement: str) -> dict[str, Any]:
     """The workload config's ``"kfac"`` section at KAISA's cadence (smoke: 2/4), ``--set`` applied, then the placement."""
-    section = json.loads((ROOT / WORKLOADS[workload].kfac_config).read_text())["kfac"]
+    section = shipped_section(workload)
     section.update(SMOKE_CADENCE if smoke else CADENCE)
     section = apply_overrides(section, overrides, new_top_keys=True)  # keys of the "kfac" section itself
     section["grad_worker_fraction"] = placement
@@ -367,7 +372,7 @@ def kfac_section(workload: str, smoke: bool, overrides: Sequence[str], placement
 
 def recipe_cadence(workload: str) -> dict[str, int]:
     """The workload config's own factor and decomposition intervals (its recipe's), before ``CADENCE`` and ``--set``."""
-    section = json.loads((ROOT / WORKLOADS[workload].kfac_config).read_text())["kfac"]
+    section = shipped_section(workload)
     return {key: section.get(key, CADENCE[key]) for key in CADENCE}
 
 
