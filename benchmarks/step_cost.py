@@ -163,7 +163,11 @@ ARMS = ("base", "kfac")
 EIGH_FLOPS_PER_DIM3 = 9
 """FLOPs per d^3 of a symmetric eigendecomposition with eigenvectors: Golub & Van Loan's count for the
 symmetric QR algorithm (about 9 d^3 with eigenvectors, 4/3 d^3 for the eigenvalues alone)."""
-FLOOR_PHASES = {"factors": ("hooks", "factors"), "precondition": ("precondition",), "decompose": ("decompose",)}
+FLOOR_PHASES = {
+    "factors": ("hooks", "factors"),
+    "precondition": ("precondition",),
+    "decompose": ("decompose", "stack"),
+}
 """Floor phase -> the measured phases doing its arithmetic (factor outer products run in the hooks)."""
 POOL = 16  # distinct micro-batches per rank, reused in turn
 
@@ -719,16 +723,26 @@ def summarize_arm(records: Sequence[Record]) -> dict[str, Any]:
     return out
 
 
-def amortized_ms(classes: dict[str, dict[str, Any]], cadence: dict[str, int]) -> Optional[float]:
+def amortized_ms(classes: dict[str, dict[str, Any]], cadence: dict[str, int], measured_inv: int) -> Optional[float]:
     """The mean step at another cadence, from the measured per-class means: per ``inv_update_steps`` steps one
-    decomposition step, ``inv / factor - 1`` factor steps and the rest plain (``None`` unless all three were measured
-    and ``factor_update_steps`` divides ``inv_update_steps``). For shapes too slow on the CPU to run whole cycles of
-    the recipe's cadence."""
+    decomposition step, ``inv / factor - 1`` factor steps and the rest plain, each class's ``decompose`` time taken
+    out and one measured cycle's (``measured_inv`` steps) added per cycle instead: a refresh's work, wherever the
+    schedule put it (all at the decomposition step, or spread over the cycle with ``refresh_spread``). ``stack``
+    stays in the steps that paid it. ``None`` unless all three classes were measured and ``factor_update_steps``
+    divides ``inv_update_steps``. For shapes too slow on the CPU to run whole cycles of the recipe's cadence."""
     factor, inv = cadence["factor_update_steps"], cadence["inv_update_steps"]
     if inv % factor or any(c not in classes for c in CLASSES):
         return None
     counts = {"decomposition": 1, "factor": inv // factor - 1, "plain": inv - inv // factor}
-    return sum(n * classes[c]["mean_ms"] for c, n in counts.items()) / inv
+    measured_counts = _class_counts(classes)
+    refresh = sum(classes[c]["phases_ms"].get("decompose", 0.0) * n for c, n in measured_counts.items())
+    refresh *= measured_inv / sum(measured_counts.values())  # per measured cycle
+    steps = sum(n * (classes[c]["mean_ms"] - classes[c]["phases_ms"].get("decompose", 0.0)) for c, n in counts.items())
+    return (steps + refresh) / inv
+
+
+def _class_counts(classes: dict[str, dict[str, Any]]) -> dict[str, int]:
+    return {c: classes[c]["count"] for c in CLASSES if c in classes}
 
 
 def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -740,7 +754,8 @@ def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str
     ]
     ratio = arms["kfac"]["mean_ms"] / arms["base"]["mean_ms"]
     memory = [r["memory"] for r in ranks]
-    recipe = amortized_ms(arms["kfac"]["classes"], spec["recipe_cadence"])
+    measured_inv = spec["kfac_config"]["inv_update_steps"]
+    recipe = amortized_ms(arms["kfac"]["classes"], spec["recipe_cadence"], measured_inv)
     return {
         **{key: spec[key] for key in ("workload", "world", "placement", "ga", "load_before")},
         "kfac_config": spec["kfac_config"],

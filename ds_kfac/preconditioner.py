@@ -249,7 +249,7 @@ class KFACPreconditioner(SampledFisher, Reporting):
         self.preconditioned = tuple(b.name for b in blocks if b.decomposition is not None)
         self.finite_gradients = self.moment_rule is None or all_finite_fragments(work)
         if self._stacks.stale(blocks):
-            with self.timer.phase("decompose"):  # after a refresh: stack the new decompositions
+            with self.timer.phase("stack"):  # after a refresh: stack the new decompositions
                 self._stacks.prepare(blocks)
         with self.timer.phase("precondition"):
             damping = self.config.at("damping", s)

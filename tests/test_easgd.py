@@ -23,7 +23,7 @@ KFAC_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 K-FAC against the fp32 standalone 
 BF16_TOL = dict(rtol=5e-2, atol=2e-2)
 MOMENTUM = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}}
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 4}}
-KFAC = {"damping": 0.01, "kl_clip": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
+KFAC = {"damping": 0.01, "kl_clip": 0.01, "factor_update_steps": 1, "inv_update_steps": 2, "basis_update": "eigh"}
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "sgd_period1": {"easgd": {"rho": 0.5}},

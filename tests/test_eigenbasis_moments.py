@@ -20,7 +20,8 @@ from ds_kfac.optimizers import GROUP_KEY, Adam, Lamb, build_optimizer, split_gro
 
 pytestmark = pytest.mark.timeout(120)
 
-FLOAT64 = dict(factor_dtype="float64", inv_dtype="float64", factor_decay=0.0)
+# The exact mode: the documented equations decompose with canonical bases (docs/conventions.md, "Refreshing a basis").
+FLOAT64 = dict(factor_dtype="float64", inv_dtype="float64", factor_decay=0.0, basis_update="exact")
 TOL = dict(rtol=1e-9, atol=1e-12)
 BETAS, EPS, LR, DECAY = (0.8, 0.9), 1e-3, 0.1, 0.2
 
@@ -395,7 +396,7 @@ def test_split_groups_keeps_settings_and_order() -> None:
 WORLD, MICRO, GA, STEPS = 2, 2, 2, 5
 ADAMW = {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
 LAMB = {"type": "Lamb", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
-KEYS = {"eigenbasis_moments": True, "factor_update_steps": 1, "inv_update_steps": 2}
+KEYS = {"eigenbasis_moments": True, "factor_update_steps": 1, "inv_update_steps": 2, "basis_update": "exact"}
 # The engine clips the raw gradients (0.05 is below their norm at every step here, so every step is clipped).
 CLIP = 0.05
 # LAMB at stage 0 only: under ZeRO 1/2 DeepSpeed hands the optimizer each rank's flat partition of a param group, so

@@ -16,7 +16,7 @@ from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner
 
 pytestmark = pytest.mark.timeout(120)
 
-FLOAT64 = dict(factor_dtype="float64", inv_dtype="float64", kl_clip=None)
+FLOAT64 = dict(factor_dtype="float64", inv_dtype="float64", kl_clip=None, basis_update="eigh")
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 

@@ -132,10 +132,12 @@ def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
         assert c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
         assert c["ratio"]["mean"] == pytest.approx(kfac["mean_ms"] / c["arms"]["base"]["mean_ms"])
         # At the measured cadence the class means amortize back to the measured mean; the recipe's is the config's.
-        assert sc.amortized_ms(kfac["classes"], c["kfac_config"]) == pytest.approx(kfac["mean_ms"])
+        measured_inv = c["kfac_config"]["inv_update_steps"]
+        assert sc.amortized_ms(kfac["classes"], c["kfac_config"], measured_inv) == pytest.approx(kfac["mean_ms"])
         recipe = json.loads((ROOT / sc.WORKLOADS[c["workload"]].kfac_config).read_text())["kfac"]
         assert c["ratio"]["recipe_cadence"] == {k: recipe.get(k, sc.CADENCE[k]) for k in sc.CADENCE}
-        at_recipe = sc.amortized_ms(kfac["classes"], c["ratio"]["recipe_cadence"]) / c["arms"]["base"]["mean_ms"]
+        at_recipe = sc.amortized_ms(kfac["classes"], c["ratio"]["recipe_cadence"], measured_inv)
+        at_recipe /= c["arms"]["base"]["mean_ms"]
         assert c["ratio"]["at_recipe_cadence"] == pytest.approx(at_recipe)
         floor = c["floor"]
         assert set(floor) == SCHEMA["floor"] and floor["ratio"] > 1
@@ -165,13 +167,31 @@ def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
 
 
 def test_amortized_step_at_another_cadence() -> None:
-    """Per ``inv`` steps: one decomposition step, ``inv / factor - 1`` factor steps, the rest plain."""
-    classes = {"plain": {"mean_ms": 1.0}, "factor": {"mean_ms": 3.0}, "decomposition": {"mean_ms": 30.0}}
-    assert sc.amortized_ms(classes, {"factor_update_steps": 5, "inv_update_steps": 25}) == (30 + 4 * 3 + 20) / 25
-    assert sc.amortized_ms(classes, {"factor_update_steps": 2, "inv_update_steps": 4}) == (30 + 3 + 2) / 4
-    assert sc.amortized_ms(classes, {"factor_update_steps": 3, "inv_update_steps": 10}) is None  # 3 does not divide 10
-    del classes["plain"]
-    assert sc.amortized_ms(classes, {"factor_update_steps": 5, "inv_update_steps": 25}) is None
+    """Per ``inv`` steps: one decomposition step, ``inv / factor - 1`` factor steps, the rest plain, each without its
+    ``decompose`` time, plus one measured cycle's refresh work (measured here: 4 steps per cycle, one each of
+    decomposition and factor, two plain)."""
+
+    def classes(decompose: dict[str, float]) -> dict:
+        means = {"plain": 1.0, "factor": 3.0, "decomposition": 4.0}
+        counts = {"plain": 2, "factor": 1, "decomposition": 1}
+        return {
+            c: {"count": counts[c], "mean_ms": means[c] + d, "phases_ms": {"decompose": d}}
+            for c, d in decompose.items()
+        }
+
+    at_once = classes({"plain": 0.0, "factor": 0.0, "decomposition": 26.0})  # a fixed cadence's refresh
+    spread = classes({"plain": 6.5, "factor": 6.5, "decomposition": 6.5})  # refresh_spread: a quarter per step
+    for measured in (at_once, spread):
+        assert (
+            sc.amortized_ms(measured, {"factor_update_steps": 5, "inv_update_steps": 25}, 4)
+            == (4 + 4 * 3 + 20 + 26) / 25
+        )
+        assert sc.amortized_ms(measured, {"factor_update_steps": 2, "inv_update_steps": 4}, 4) == (4 + 3 + 2 + 26) / 4
+        assert (
+            sc.amortized_ms(measured, {"factor_update_steps": 3, "inv_update_steps": 10}, 4) is None
+        )  # 3 does not divide 10
+    del at_once["plain"]
+    assert sc.amortized_ms(at_once, {"factor_update_steps": 5, "inv_update_steps": 25}, 4) is None
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,8 @@ class KFACConfig(BaseModel):
     fisher: Literal["empirical", "sampled"] = "empirical"
     batchnorm: Literal["none", "unit-wise"] = "none"
     eigenbasis_moments: bool = False
+    basis_update: Literal["subspace", "eigh", "exact"] = "subspace"
+    basis_max_drift: _number(FRACTION) = 0.5
     eigenbasis_max_dim: Optional[_number(POSITIVE_INTEGER)] = None
     tied_layers: Literal["skip", "precondition"] = "skip"
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
@@ -144,6 +146,7 @@ class KFACConfig(BaseModel):
     symmetric_comm: bool = False
     overlap_factor_comm: bool = True
     async_decompositions: bool = False
+    refresh_spread: bool = False
 
     @field_validator("async_decompositions")
     @classmethod
@@ -152,6 +155,18 @@ class KFACConfig(BaseModel):
             raise ValueError(
                 "true needs a fixed inv_update_steps: adaptive refresh decides each factor's next "
                 "interval from its decomposition step, which async decompositions move"
+            )
+        return v
+
+    @field_validator("refresh_spread")
+    @classmethod
+    def _spread_needs_fixed_refresh(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("inv_update_steps") == "adaptive":
+            raise ValueError("true needs a fixed inv_update_steps (adaptive refresh gives each factor its own steps)")
+        if v and info.data.get("async_decompositions") is True:
+            raise ValueError(
+                "true cannot be combined with async_decompositions: true (spreading refreshes over the cycle and "
+                "running them in the background are two answers to one cost: keep one)"
             )
         return v
 

@@ -1,27 +1,31 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
 from .background import Background
-from .block import CurvatureBlock, KFACBlock, StackedStates, blocks_device
+from .block import CurvatureBlock, KFACBlock, blocks_device
 from .correction import EigenvalueCorrection
 from .decomposition import (
     METHODS,
+    BasisSolver,
     Decomposition,
     EigenDecomposition,
     EigenOuterDecomposition,
     InverseDecomposition,
     method_for,
+    solver_for,
 )
 from .factors import KroneckerFactor, RunningAverage
 from .fisher import FisherLoss, sampled_loss
 from .numerics import all_finite, curvature_floor
 from .onesided import OneSidedBlock, OneSidedEigen
 from .refresh import AdaptiveRefresh
+from .stacked import StackedStates
 from .unitwise import UnitFisher, UnitWiseBlock, UnitWiseInverse
 
 __all__ = [
     "METHODS",
     "AdaptiveRefresh",
     "Background",
+    "BasisSolver",
     "CurvatureBlock",
     "Decomposition",
     "EigenDecomposition",
@@ -42,5 +46,6 @@ __all__ = [
     "blocks_device",
     "curvature_floor",
     "method_for",
+    "solver_for",
     "sampled_loss",
 ]

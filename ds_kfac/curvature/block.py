@@ -13,15 +13,14 @@ communication and checkpoint code move its tensors by name and shape only.
 * :class:`~ds_kfac.curvature.unitwise.UnitWiseBlock`: a BatchNorm layer's
   per-channel Fisher over ``(gamma, beta)`` (one side, ``F``).
 
-:class:`StackedStates` turns the gradient matrices of many blocks into preconditioned ones.
+:class:`~.stacked.StackedStates` turns the gradient matrices of many blocks into preconditioned ones.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -29,8 +28,7 @@ from ..layers.base import LayerAdapter
 from .correction import EigenvalueCorrection
 from .decomposition import Decomposition, Shape, State
 from .factors import KroneckerFactor, RunningAverage
-from .moments import EigenbasisMoments, MomentRule, eigenbasis_directions, step_moments
-from .numerics import compute_dtype
+from .moments import EigenbasisMoments
 
 
 class CurvatureBlock(ABC):
@@ -88,6 +86,15 @@ class CurvatureBlock(ABC):
     @abstractmethod
     def costs(self, power: int) -> tuple[float, ...]:
         """The decomposition cost of each side (``power`` 3: compute, 2: memory), for the placement."""
+
+    def side_states(self) -> dict[str, Optional[State]]:
+        """The current decomposition's tensors by side, in :attr:`sides` order (``None`` before the first)."""
+        out: dict[str, Optional[State]] = {}
+        at = 0
+        for side, shapes in self.side_shapes().items():
+            out[side] = None if self.decomposition is None else self.decomposition[at : at + len(shapes)]
+            at += len(shapes)
+        return out
 
     @property
     def colocated(self) -> bool:
@@ -177,7 +184,9 @@ class KFACBlock(CurvatureBlock):
         if self.method.relative_damping:  # a side without curvature of its own is decomposed as zero
             factors = {"A": self.a, "G": self.g}
             values = {s: None if v is None else factors[s].decomposed(v, dtype) for s, v in values.items()}
-        a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype)
+        held = self.side_states()
+        previous = (held["A"], held["G"])
+        a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype, previous)
         return {side: state for side, state in (("A", a_side), ("G", g_side)) if side in values}
 
     def costs(self, power: int) -> tuple[float, ...]:
@@ -199,151 +208,3 @@ def blocks_device(blocks: Iterable[CurvatureBlock]) -> torch.device:
     """The device of the first block's layer (CPU with no blocks): where per-layer flags live."""
     first = next(iter(blocks), None)
     return first.adapter.module.weight.device if first is not None else torch.device("cpu")
-
-
-def _graft(result: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """``result`` rescaled in place to the L2 norm of ``grads``, per matrix of the stacks (layer-wise grafting).
-
-    Each norm is taken of the matrix divided by its largest magnitude, and multiplied back: a plain
-    ``sqrt(sum x^2)`` underflows to 0 in float32 for entries below about 1e-23 (a layer with a tiny but non-zero
-    gradient would never be updated) and overflows for entries above about 1e19."""
-    dims = (-2, -1)
-    tiny = torch.finfo(result.dtype).tiny
-    grad_max = grads.abs().amax(dim=dims, keepdim=True)
-    grad_norm = (grads / grad_max.clamp(min=tiny)).norm(dim=dims, keepdim=True) * grad_max
-    result.div_(result.abs().amax(dim=dims, keepdim=True).clamp(min=tiny))  # now of largest magnitude 1 (or 0)
-    return result.mul_(grad_norm / result.norm(dim=dims, keepdim=True).clamp(min=1.0))
-
-
-def _scaling(blocks: Sequence[CurvatureBlock], positions: list[int]) -> Optional[torch.Tensor]:
-    """The stacked eigenvalue corrections ``S`` of the blocks at ``positions``, a block without one yet (before the
-    first factor-update step in an eigenbasis) taking its Kronecker eigenvalues ``v_G v_A^T``; ``None`` when no block
-    has one (plain K-FAC)."""
-    if not any(blocks[i].correction is not None and blocks[i].correction.value is not None for i in positions):
-        return None
-    dtype = blocks[positions[0]].decomposition[0].dtype
-    return torch.stack(
-        [
-            b.method.eigenvalues(b.decomposition) if b.correction.value is None else b.correction.value.to(dtype)
-            for b in (blocks[i] for i in positions)
-        ]
-    )
-
-
-@dataclass
-class _Group:
-    """Blocks of one state layout: their positions in the block list, their states stacked, which of them
-    have no usable curvature (the method's :meth:`~Decomposition.uncurved`, ``None``: none can), and the
-    method's precomputation for them (with the damping it was made for)."""
-
-    positions: list[int]
-    state: State
-    uncurved: Optional[torch.Tensor] = None
-    cached: Optional[torch.Tensor] = None
-    cached_for: Optional[float] = None
-
-
-class StackedStates:
-    """This rank's decompositions stacked by layer shape, so that preconditioning runs one batched
-    matmul per product for all layers of a shape instead of several GEMMs per layer.
-
-    The blocks' states become views into the stacks (no second copy). The stacks are rebuilt
-    when the blocks asked for or any of their states change (a refresh, a restore, a load);
-    a method's precomputation (``eigen-outer``'s ``D``) is kept with them until then, or
-    until the damping changes."""
-
-    def __init__(self) -> None:
-        self._key: Optional[tuple] = None
-        self._groups: list[_Group] = []
-
-    def cache_bytes(self) -> int:
-        """Bytes of the kept precomputations."""
-        return sum(g.cached.numel() * g.cached.element_size() for g in self._groups if g.cached is not None)
-
-    def precondition(
-        self,
-        blocks: Sequence[CurvatureBlock],
-        grads: Sequence[torch.Tensor],
-        damping: float,
-        graft: bool = False,
-        moments: Optional[MomentRule] = None,
-    ) -> list[torch.Tensor]:
-        """``P(grad)`` of each block, in its decomposition's dtype; the gradient itself before its first, and
-        while its decomposition has no usable curvature (relative damping of a dead layer).
-
-        With ``graft``, each ``P(grad)`` is rescaled to the L2 norm of its ``grad`` (layer-wise norm
-        grafting): K-FAC chooses the direction, the gradient keeps its magnitude. With ``moments`` (the base
-        optimizer's rule, ``eigenbasis_moments``), each block's gradient instead updates its moments in its
-        eigenbasis (the identity before its first decomposition) and the result is their normalised direction
-        (:mod:`.moments`)."""
-        self.prepare(blocks)
-        out: list[Optional[torch.Tensor]] = []
-        for b, g in zip(blocks, grads):
-            if b.decomposition is not None:
-                out.append(None)
-            elif moments is not None:
-                out.append(step_moments([b.moments], g[None].to(b.inv_dtype), moments)[0])
-            else:
-                out.append(g.to(b.inv_dtype))
-        for group in self._groups:
-            positions, state, method = group.positions, group.state, blocks[group.positions[0]].method
-            stacked = torch.stack([grads[i] for i in positions]).to(state[0].dtype)
-            if moments is not None:
-                held = [blocks[i].moments for i in positions]
-                rounding = max(method.basis_rounding, torch.finfo(compute_dtype(grads[positions[0]].dtype)).eps)
-                result = eigenbasis_directions(*method.basis(state), stacked, held, moments, rounding)
-            else:
-                result = self._precondition_group(group, method, stacked, damping, _scaling(blocks, positions), graft)
-            for j, i in enumerate(positions):
-                out[i] = result[j]
-        return out
-
-    @staticmethod
-    def _precondition_group(
-        group: _Group,
-        method: Decomposition,
-        stacked: torch.Tensor,
-        damping: float,
-        scaling: Optional[torch.Tensor],
-        graft: bool,
-    ) -> torch.Tensor:
-        """``P`` of one group's stacked gradients by its method (grafted, the uncurved blocks passed through)."""
-        if group.cached_for != damping:
-            group.cached, group.cached_for = method.precompute(group.state, damping), damping
-        result = method.precondition(group.state, stacked, damping, group.cached, scaling)
-        if graft:
-            result = _graft(result, stacked)
-        if group.uncurved is not None:
-            result = torch.where(group.uncurved[:, None, None], stacked, result)
-        return result
-
-    def stale(self, blocks: Sequence[CurvatureBlock]) -> bool:
-        """Whether the stacks are not those of ``blocks`` and their current states."""
-        return self._key != self._versions(blocks)
-
-    def prepare(self, blocks: Sequence[CurvatureBlock]) -> None:
-        """Stack the states of ``blocks`` unless that is already done (one copy of them per refresh)."""
-        if self.stale(blocks):
-            self._groups = self._stack(blocks)
-            self._key = self._versions(blocks)
-
-    @staticmethod
-    def _versions(blocks: Sequence[CurvatureBlock]) -> tuple:
-        return tuple((b.name, b.decomposition_version) for b in blocks)
-
-    @staticmethod
-    def _stack(blocks: Sequence[CurvatureBlock]) -> list[_Group]:
-        # The gradient's shape is part of the key: one-sided blocks of equal kept sides hold equal states for
-        # gradients of different shapes (BERT's 2048 x 513 intermediate and 8192 x 513 decoder, both A-only).
-        by_shapes: dict[tuple, list[int]] = defaultdict(list)
-        for i, b in enumerate(blocks):
-            if b.decomposition is not None:
-                shape = (b.adapter.g_dim, b.adapter.a_dim)
-                by_shapes[(b.method.name, shape, *((t.shape, t.dtype) for t in b.decomposition))].append(i)
-        groups = []
-        for positions in by_shapes.values():
-            state = tuple(torch.stack(parts) for parts in zip(*(blocks[i].decomposition for i in positions)))
-            for j, i in enumerate(positions):
-                blocks[i].decomposition = tuple(t[j] for t in state)
-            groups.append(_Group(positions, state, blocks[positions[0]].method.uncurved(state)))
-        return groups

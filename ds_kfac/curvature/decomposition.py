@@ -41,7 +41,10 @@ shape, each with its own state and damping), so equal-shaped layers are
 preconditioned by one batched matmul per product.
 
 Decompositions run in ``inv_dtype`` (float32 at least) and are retried in
-float64 when LAPACK fails; eigenvalues are clamped at 0. Whether a result is
+float64 when LAPACK fails; eigenvalues are clamped at 0. How the eigen methods
+compute a basis at a refresh (``basis_update``: one step of subspace iteration
+from the previous basis, a full ``eigh``, or the exact canonical one) is
+:class:`BasisSolver`'s. Whether a result is
 finite is returned as a device tensor, so a caller can check many layers with
 one host sync.
 """
@@ -50,17 +53,76 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 
-from .numerics import below_floor, canonical_eigh, eigh, floor_damping, in_eigenbasis, inv, with_fallback
+from .numerics import (
+    basis_drift,
+    below_floor,
+    canonical_eigh,
+    eigh,
+    floor_damping,
+    in_eigenbasis,
+    inv,
+    subspace_step,
+    with_fallback,
+)
 
 if TYPE_CHECKING:
     from ..config import KFACConfig
 
 State = tuple[torch.Tensor, ...]
 Shape = tuple[int, ...]
+Previous = tuple[Optional[State], Optional[State]]
+"""A layer's current ``A`` and ``G`` sides (``None`` where it has none yet): where a refresh may start from."""
+
+
+@dataclass(frozen=True)
+class BasisSolver:
+    """How a refresh computes a factor's eigenbasis and eigenvalues ``(Q, v)`` (``basis_update``).
+
+    * ``"subspace"``: a full :func:`~.numerics.eigh` the first time; afterwards one step of subspace iteration
+      from the previous basis (``F Q_old`` orthonormalised by a QR, :func:`~.numerics.subspace_step`; eigenvalues
+      from its Rayleigh quotients), or a full ``eigh`` where the previous basis has drifted,
+      ``||offdiag(Q_old^T F Q_old)||_F > max_drift ||F||_F`` (:func:`~.numerics.basis_drift`: one host sync per
+      factor, at refreshes only). A matmul and a QR instead of an eigendecomposition: SOAP's and Distributed
+      Shampoo's warm-started update. Deterministic given the previous basis, which the layer's decomposing rank
+      holds (and a checkpoint keeps), so ranks agree and a resumed run refreshes as an uninterrupted one.
+    * ``"eigh"``: a full ``eigh`` in the decomposition's dtype every time.
+    * ``"exact"``: :func:`~.numerics.canonical_eigh` every time: float64, bases canonical inside clusters of equal
+      eigenvalues (``rounding``: the factors' unit roundoff), so a reduction order's rounding cannot pick the
+      basis; with ``eigenbasis_moments`` the preconditioning also flushes rotated entries within rounding of 0
+      (:func:`~.moments.eigenbasis_directions`). For bit-level agreement of placements and world sizes.
+    """
+
+    mode: Literal["subspace", "eigh", "exact"] = "eigh"
+    rounding: float = 0.0
+    max_drift: float = 0.5
+
+    def __call__(self, factor: torch.Tensor, dtype: torch.dtype, previous: Optional[State]) -> Optional[State]:
+        """``(Q, v)`` of ``factor`` in ``dtype`` (``previous``: the side's current state, or ``None``); ``None``
+        if LAPACK fails in float64 too."""
+        if self.mode == "exact":
+            return with_fallback(lambda m: canonical_eigh(m, self.rounding), factor, dtype)
+        if self.mode == "subspace" and previous is not None:
+            # One memory layout whatever the basis' history (LAPACK's column-major result, a broadcast's or a
+            # checkpoint's row-major copy), so the matmul, and a resumed run, give the same bits.
+            warm = self._warm(factor.to(dtype).contiguous(), previous[0].to(dtype).contiguous())
+            if warm is not None:
+                return warm
+        return with_fallback(eigh, factor, dtype)
+
+    def _warm(self, matrix: torch.Tensor, basis: torch.Tensor) -> Optional[State]:
+        """One subspace step from ``basis``, or ``None`` where it drifted too far (or the result is not finite)."""
+        y, rayleigh, drift = basis_drift(matrix, basis)
+        if not bool(drift <= self.max_drift):  # a NaN drift too: the full eigh decides
+            return None
+        try:
+            return subspace_step(y, rayleigh)
+        except torch.linalg.LinAlgError:
+            return None
 
 
 class Decomposition(ABC):
@@ -98,9 +160,15 @@ class Decomposition(ABC):
 
     @abstractmethod
     def compute(
-        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+        self,
+        a: Optional[torch.Tensor],
+        g: Optional[torch.Tensor],
+        damping: float,
+        dtype: torch.dtype,
+        previous: Previous = (None, None),
     ) -> tuple[Optional[State], Optional[State]]:
-        """The ``A`` and ``G`` sides from the factors given (``None`` where not given or LAPACK failed)."""
+        """The ``A`` and ``G`` sides from the factors given (``None`` where not given or LAPACK failed);
+        ``previous``, the layer's current sides, where a method updates from them."""
 
     def precompute(self, state: State, damping: float) -> Optional[torch.Tensor]:
         """What :meth:`precondition` can reuse while the state and the damping stay the same (``None``: nothing)."""
@@ -136,14 +204,24 @@ class EigenDecomposition(Decomposition):
         _, va, _, vg = state
         return below_floor(va.mean(-1), vg.mean(-1))
 
-    basis_rounding: Optional[float] = None
-    """With ``eigenbasis_moments``, the unit roundoff of the factors: bases are then canonical inside clusters of
-    equal eigenvalues (:func:`~.numerics.canonical_eigh`)."""
+    solver = BasisSolver()
+    """How a refresh computes each side (``basis_update``)."""
+
+    @property
+    def basis_rounding(self) -> Optional[float]:
+        """In the ``"exact"`` mode, the unit roundoff of the factors (bases canonical inside clusters, rounding
+        flushed in the eigenbasis); ``None`` otherwise."""
+        return self.solver.rounding if self.solver.mode == "exact" else None
 
     def compute(
-        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+        self,
+        a: Optional[torch.Tensor],
+        g: Optional[torch.Tensor],
+        damping: float,
+        dtype: torch.dtype,
+        previous: Previous = (None, None),
     ) -> tuple[Optional[State], Optional[State]]:
-        return tuple(None if f is None else eigen_state(f, dtype, self.basis_rounding) for f in (a, g))
+        return tuple(None if f is None else self.solver(f, dtype, p) for f, p in zip((a, g), previous))
 
     @staticmethod
     def basis(state: State) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,13 +255,6 @@ class EigenDecomposition(Decomposition):
         if not self.relative_damping:
             return damping
         return floor_damping(scaling.mean(dim=(-2, -1)) * damping)[..., None, None]
-
-
-def eigen_state(factor: torch.Tensor, dtype: torch.dtype, basis_rounding: Optional[float]) -> Optional[State]:
-    """``(Q, v)`` of a factor in ``dtype`` (float64 retry; ``None`` if LAPACK fails both), canonical inside clusters of
-    equal eigenvalues when ``basis_rounding`` is given (``eigenbasis_moments``)."""
-    fn = eigh if basis_rounding is None else lambda m: canonical_eigh(m, basis_rounding)
-    return with_fallback(fn, factor, dtype)
 
 
 class EigenOuterDecomposition(EigenDecomposition):
@@ -226,7 +297,12 @@ class InverseDecomposition(Decomposition):
         return (state[0] == 0).all(dim=-1).all(dim=-1)
 
     def compute(
-        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+        self,
+        a: Optional[torch.Tensor],
+        g: Optional[torch.Tensor],
+        damping: float,
+        dtype: torch.dtype,
+        previous: Previous = (None, None),
     ) -> tuple[Optional[State], Optional[State]]:
         if a is None or g is None:
             raise ValueError("the inverse method decomposes A and G together")
@@ -265,13 +341,20 @@ class InverseDecomposition(Decomposition):
 METHODS: dict[str, type[Decomposition]] = {"eigen": EigenDecomposition, "inverse": InverseDecomposition}
 
 
+def solver_for(config: KFACConfig) -> BasisSolver:
+    """The eigen methods' :class:`BasisSolver` for ``config`` (``basis_update``, ``basis_max_drift``; ``"exact"``
+    rounds at the coarser of the factor and decomposition dtypes)."""
+    rounding = max(torch.finfo(d).eps for d in (config.factor_torch_dtype, config.inv_torch_dtype))
+    return BasisSolver(config.basis_update, rounding, config.basis_max_drift)
+
+
 def method_for(config: KFACConfig) -> Decomposition:
     """The decomposition ``config`` asks for: ``compute_method``, refined by ``eigenvalue_outer_product``
-    (which the config only accepts with ``"eigen"``)."""
+    (which the config only accepts with ``"eigen"``), the eigen methods with the config's :class:`BasisSolver`."""
     if config.eigenvalue_outer_product:
-        return EigenOuterDecomposition(config.relative_damping)
-    method = METHODS[config.compute_method](config.relative_damping)
-    if config.eigenbasis_moments:  # the config only accepts it with "eigen"
-        dtypes = (config.factor_torch_dtype, config.inv_torch_dtype)
-        method.basis_rounding = max(torch.finfo(d).eps for d in dtypes)
+        method: Decomposition = EigenOuterDecomposition(config.relative_damping)
+    else:
+        method = METHODS[config.compute_method](config.relative_damping)
+    if isinstance(method, EigenDecomposition):
+        method.solver = solver_for(config)
     return method

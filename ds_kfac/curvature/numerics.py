@@ -34,7 +34,7 @@ def with_fallback(
 
     Results keep LAPACK's layout (column-major eigenvectors; a rank that receives them
     by broadcast holds them row-major): preconditioning runs on stacked copies
-    (:class:`~ds_kfac.curvature.block.StackedStates`), which have one layout on every
+    (:class:`~ds_kfac.curvature.stacked.StackedStates`), which have one layout on every
     rank, so matmuls, and so parameters, stay bit-identical across ranks.
     """
     for attempt in (dtype, torch.float64):
@@ -76,6 +76,30 @@ def canonical_eigh(matrix: torch.Tensor, rounding: float) -> tuple[torch.Tensor,
     # 2 k on the diagonal of cluster k keeps the clusters' spectra (in [2k, 2k + 1]) apart and in order.
     _, within = torch.linalg.eigh(compressed + torch.diag_embed(2.0 * cluster))
     return vectors @ within, values.clamp_(min=0.0)
+
+
+def basis_drift(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How far ``basis`` (orthonormal columns) is from diagonalising the symmetric ``matrix``: ``(F Q, r, drift)``
+    with ``r_i = q_i^T F q_i`` (the Rayleigh quotients) and ``drift = ||offdiag(Q^T F Q)||_F / ||F||_F``
+    (``||F Q - Q diag(r)||_F``, as ``Q`` is orthogonal), a device tensor; 0 for a zero ``matrix``. One matmul, the
+    rest ``O(n^2)``."""
+    y = matrix @ basis
+    rayleigh = (basis * y).sum(-2)
+    off = (y - basis * rayleigh[..., None, :]).norm(dim=(-2, -1))
+    return y, rayleigh, off / matrix.norm(dim=(-2, -1)).clamp(min=torch.finfo(matrix.dtype).tiny)
+
+
+def subspace_step(y: torch.Tensor, rayleigh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of subspace (orthogonal) iteration from a basis ``Q``: ``y = F Q`` orthonormalised by a QR, its
+    columns first put in descending order of their Rayleigh quotients ``rayleigh`` (so the dominant directions
+    are kept and the small ones orthogonalised against them) and signed so that ``R`` has a non-negative diagonal
+    (a converged basis maps onto itself). Returns ``(Q_new, rayleigh)`` in that order, the Rayleigh quotients
+    clamped at 0 as the eigenvalues: they are accurate to second order in the basis' error."""
+    order = rayleigh.argsort(dim=-1, descending=True)
+    y = y.gather(-1, order[..., None, :].expand_as(y))
+    q, r = torch.linalg.qr(y)
+    sign = torch.where(r.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(q.dtype)
+    return q * sign[..., None, :], rayleigh.gather(-1, order).clamp_(min=0.0)
 
 
 def inv(matrix: torch.Tensor) -> tuple[torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 
 from ..layers.base import LayerAdapter
 from .block import CurvatureBlock
-from .decomposition import Decomposition, Shape, State, eigen_state
+from .decomposition import BasisSolver, Decomposition, Previous, Shape, State
 from .factors import KroneckerFactor, RunningAverage
 from .moments import EigenbasisMoments
 
@@ -35,12 +35,17 @@ class OneSidedEigen(Decomposition):
 
     colocated = False
 
-    def __init__(self, side: Side, basis_rounding: Optional[float]) -> None:
+    def __init__(self, side: Side, solver: BasisSolver) -> None:
         super().__init__(relative_damping=False)
         self.side = side
         self.name = f"eigen-one-sided-{side}"
-        self.basis_rounding = basis_rounding
-        """As :attr:`~.decomposition.EigenDecomposition.basis_rounding`: canonical bases inside clusters."""
+        self.solver = solver
+        """As :attr:`~.decomposition.EigenDecomposition.solver`: how a refresh computes the kept side."""
+
+    @property
+    def basis_rounding(self) -> Optional[float]:
+        """As :attr:`~.decomposition.EigenDecomposition.basis_rounding`."""
+        return self.solver.rounding if self.solver.mode == "exact" else None
 
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
         dim = a_dim if self.side == "A" else g_dim
@@ -48,10 +53,15 @@ class OneSidedEigen(Decomposition):
         return (kept, []) if self.side == "A" else ([], kept)
 
     def compute(
-        self, a: Optional[torch.Tensor], g: Optional[torch.Tensor], damping: float, dtype: torch.dtype
+        self,
+        a: Optional[torch.Tensor],
+        g: Optional[torch.Tensor],
+        damping: float,
+        dtype: torch.dtype,
+        previous: Previous = (None, None),
     ) -> tuple[Optional[State], Optional[State]]:
-        factor = a if self.side == "A" else g
-        state = None if factor is None else eigen_state(factor, dtype, self.basis_rounding)
+        factor, kept = (a, previous[0]) if self.side == "A" else (g, previous[1])
+        state = None if factor is None else self.solver(factor, dtype, kept)
         return (state, None) if self.side == "A" else (None, state)
 
     def basis(self, state: State) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -110,7 +120,8 @@ class OneSidedBlock(CurvatureBlock):
     def compute_sides(
         self, values: dict[str, Optional[torch.Tensor]], damping: float, dtype: torch.dtype
     ) -> dict[str, Optional[State]]:
-        a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype)
+        previous = self.side_states().get(self.method.side)
+        a_side, g_side = self.method.compute(values.get("A"), values.get("G"), damping, dtype, (previous, previous))
         return {self.method.side: a_side if self.method.side == "A" else g_side}
 
     def costs(self, power: int) -> tuple[float, ...]:

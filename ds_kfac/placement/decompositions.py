@@ -94,10 +94,7 @@ class DecompositionSharing(Roles):
         for b in blocks:
             if not (needed[b.name] and self.holds_decomposition(b)):
                 continue
-            old, at = {}, 0
-            for side, shapes in b.side_shapes().items():
-                old[side] = b.decomposition[at : at + len(shapes)] if b.decomposition is not None else None
-                at += len(shapes)
+            old = b.side_states()
             chosen.append(b)
             states.append(sum((sides.get((b.name, side), old[side]) for side in b.sides), ()))
         return chosen, states

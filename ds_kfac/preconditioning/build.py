@@ -22,6 +22,7 @@ from ..curvature import (
     UnitWiseBlock,
     UnitWiseInverse,
     method_for,
+    solver_for,
 )
 from ..curvature.moments import MomentRule
 from ..layers import BatchNormAdapter, LayerAdapter, SkippedLayer, find_layers, kept_sides
@@ -195,7 +196,7 @@ def make_block(config: KFACConfig, name: str, adapter: LayerAdapter) -> Curvatur
         return UnitWiseBlock(name, adapter, UnitWiseInverse(config.relative_damping), factor_dtype, inv_dtype)
     kept = kept_sides(adapter, config.eigenbasis_max_dim)  # find_layers skipped a layer with none
     if len(kept) == 1:
-        method = OneSidedEigen(next(iter(kept)), method_for(config).basis_rounding)
+        method = OneSidedEigen(next(iter(kept)), solver_for(config))
         return OneSidedBlock(name, adapter, method, factor_dtype, inv_dtype)
     return KFACBlock(
         name,

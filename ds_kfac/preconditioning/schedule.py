@@ -1,7 +1,8 @@
 """When decompositions are refreshed, and installing them: step 3 of the flow.
 
-Three schedules, from the ``"kfac"`` section: a fixed cadence (every ``inv_update_steps`` steps),
-adaptive refresh (``inv_update_steps: "adaptive"``, each factor on its own interval,
+Four schedules, from the ``"kfac"`` section: a fixed cadence (every ``inv_update_steps`` steps),
+the same cadence spread over the cycle (``refresh_spread``, each factor in its own slot of it,
+:mod:`.spread`), adaptive refresh (``inv_update_steps: "adaptive"``, each factor on its own interval,
 :mod:`~ds_kfac.curvature.refresh`), and, with ``async_decompositions``, the fixed cadence's
 decompositions run in the background (:mod:`~ds_kfac.curvature.background`) and installed at the next
 step that updates factors or decomposes. Every schedule depends on the step alone (adaptive intervals
@@ -23,6 +24,7 @@ from ..health import Health
 from ..placement import Distributor
 from ..state import PendingDecompositions, TrainingState
 from ..timing import PhaseTimer
+from .spread import SpreadRefresh
 
 
 def _uncurved(block: CurvatureBlock, state: Optional[tuple], no: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,7 @@ class DecompositionSchedule:
         self.health = health
         self.timer = timer
         self._by_name = {b.name: b for b in blocks}
+        self.spread = SpreadRefresh(blocks, distributor.decomposer) if config.refresh_spread else None
 
     def is_factor_step(self, step: int) -> bool:
         return step % self.config.at("factor_update_steps", step) == 0
@@ -69,6 +72,12 @@ class DecompositionSchedule:
         damping = self.config.at("damping", step)
         if self.refresh is not None:
             self._refresh(step, damping)
+        elif self.spread is not None:
+            due = self.spread.due(step, self.config.at("inv_update_steps", step))
+            due = {key for key in due if key[0] in self.state.scalars.seen}
+            if due:
+                with self.timer.phase("decompose"):
+                    self._decompose_now(damping, due)
         elif self.is_decomposition_step(step):
             with self.timer.phase("decompose"):
                 if self.config.async_decompositions:

@@ -166,6 +166,9 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "symmetric_comm": ["false", 0],
     "overlap_factor_comm": ["true", 1],
     "async_decompositions": ["false", 0],
+    "refresh_spread": ["true", 1, None],
+    "basis_update": [True, None, "qr", 1],
+    "basis_max_drift": ["0.5", True, None],
     "factor_micro_batches": [True, "4", 2.5, [1]],
 }
 
@@ -183,6 +186,9 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "eigenbasis_moments": [(True, True), (False, False)],
     "fisher": [("sampled", "sampled"), ("empirical", "empirical")],
     "batchnorm": [("unit-wise", "unit-wise"), ("none", "none")],
+    "basis_update": [("subspace", "subspace"), ("eigh", "eigh"), ("exact", "exact")],
+    "basis_max_drift": [(1, 1.0), (0.25, 0.25)],
+    "refresh_spread": [(True, True), (False, False)],
 }
 
 

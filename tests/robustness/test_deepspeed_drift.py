@@ -87,7 +87,6 @@ def test_every_step_of_deepspeed_initialize_is_followed() -> None:
     assert followed <= ours, f"ds_kfac.initialize does not call {sorted(followed - ours)}"
 
 
-
 def _pipeline_model(cls: type[PipelineModule] = PipelineModule) -> PipelineModule:
     """The problem's model as a one-stage pipeline (the process group must exist first, as for any pipeline)."""
     deepspeed.init_distributed(dist_backend="gloo")

@@ -28,7 +28,6 @@ TARGET_SCALE = 10.0
 """Targets far from the outputs: the global gradient norm is above 1 at every step, so clipping to 1 acts."""
 
 
-
 def _train(engines: list[Any], config: dict) -> tuple[Any, list[torch.Tensor]]:
     """An engine of ``config`` on the problem's MLP and its parameters after :data:`STEPS` steps."""
     model = problem.make_model()

@@ -188,9 +188,7 @@ def test_grafting_keeps_a_zero_gradient_layer_at_zero() -> None:
     steps = []
     for zero in (False, True):
         model = _mlp()
-        kfac = KFACPreconditioner(
-            model, kl_clip=None, grafting="gradient", relative_damping=True, inv_update_steps=1
-        )
+        kfac = KFACPreconditioner(model, kl_clip=None, grafting="gradient", relative_damping=True, inv_update_steps=1)
         F.cross_entropy(model(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
         if zero:
             model[0].weight.grad.zero_()

@@ -30,7 +30,7 @@ import problem  # noqa: E402
 import ds_kfac  # noqa: E402
 
 MICRO, GA, LR, CLIP = 2, 2, 0.05, 1.0
-KFAC = {"factor_update_steps": 1, "inv_update_steps": 2, "damping": 0.01, "kl_clip": 0.01}
+KFAC = {"factor_update_steps": 1, "inv_update_steps": 2, "damping": 0.01, "kl_clip": 0.01, "basis_update": "eigh"}
 ADAMW = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # TrainingArguments' defaults, which Trainer checks
 
 

@@ -24,7 +24,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 IN, HIDDEN, OUT, CLASSES, BATCH, STEPS, LR = 8, 6, 4, 3, 8, 5, 0.1
-KFAC = {"damping": 0.01, "kl_clip": 0.01, "factor_update_steps": 1, "inv_update_steps": 2, "factor_decay": 0.9}
+KFAC = {
+    "damping": 0.01,
+    "kl_clip": 0.01,
+    "factor_update_steps": 1,
+    "inv_update_steps": 2,
+    "factor_decay": 0.9,
+    "basis_update": "eigh",
+}
 
 
 def full_weights(bias: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,206 @@
+"""The cheap refresh (``basis_update``), refreshes spread over the cycle (``refresh_spread``), and the stacks a refresh
+re-copies: each against an independent float64 computation of the documented equations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner
+from ds_kfac.curvature import BasisSolver
+from ds_kfac.curvature.moments import EigenbasisMoments, MomentRule, eigenbasis_directions
+from ds_kfac.curvature.numerics import canonical_eigh
+from ds_kfac.preconditioning.spread import spread_slots
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _spd(n: int, seed: int, rows: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, rows or 3 * n, generator=g, dtype=torch.float64)
+    return x @ x.T / x.shape[1]
+
+
+def _reference_step(f: torch.Tensor, q_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One subspace step in float64, written from the documented equations: ``Y = F Q_old``, columns in descending
+    order of ``diag(Q_old^T F Q_old)``, ``Q`` of ``Y``'s QR with a non-negative ``R`` diagonal, eigenvalues the
+    Rayleigh quotients in that order."""
+    f, q_old = f.double(), q_old.double()
+    rayleigh = torch.diag(q_old.T @ f @ q_old)
+    order = torch.argsort(rayleigh, descending=True)
+    y = (f @ q_old)[:, order]
+    q, r = torch.linalg.qr(y)
+    signs = torch.where(torch.diag(r) < 0, -1.0, 1.0).double()
+    return q * signs, rayleigh[order].clamp(min=0)
+
+
+def test_subspace_step_matches_the_documented_equations() -> None:
+    old, new = _spd(40, 0), _spd(40, 0) + 0.05 * _spd(40, 1)
+    previous = BasisSolver("eigh")(old, torch.float32, None)
+    q, v = BasisSolver("subspace", max_drift=1.0)(new, torch.float32, previous)
+    q_ref, v_ref = _reference_step(new, previous[0])
+    assert q.dtype == v.dtype == torch.float32
+    torch.testing.assert_close(q.double(), q_ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(v.double(), v_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(q.T @ q, torch.eye(40), atol=2e-6, rtol=0)
+
+
+def test_a_converged_basis_maps_onto_itself() -> None:
+    f = _spd(30, 2)
+    values, vectors = torch.linalg.eigh(f)
+    q, v = BasisSolver("subspace")(f.float(), torch.float32, (vectors.float(), values.float()))
+    torch.testing.assert_close(q.double(), vectors.flip(-1), atol=2e-5, rtol=0)  # the same columns, same signs
+    torch.testing.assert_close(v.double(), values.flip(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_first_decomposition_and_drifted_bases_take_a_full_eigh() -> None:
+    f = (_spd(20, 3) + torch.ones(20, 20, dtype=torch.float64)).float()  # far from diagonal: the identity drifted
+    values, vectors = torch.linalg.eigh(f)
+    solver = BasisSolver("subspace", max_drift=0.5)
+    for previous in (None, (torch.eye(20), torch.ones(20))):
+        q, v = solver(f, torch.float32, previous)
+        torch.testing.assert_close(q, vectors, atol=0, rtol=0)
+        torch.testing.assert_close(v, values.clamp(min=0), atol=0, rtol=0)
+    q, _ = BasisSolver("subspace", max_drift=1.0)(f, torch.float32, (torch.eye(20), torch.ones(20)))
+    assert not torch.allclose(q.abs(), vectors.abs(), atol=1e-3)  # below the bound: one step, not a full eigh
+
+
+def test_a_failed_qr_falls_back_to_eigh(monkeypatch: pytest.MonkeyPatch) -> None:
+    f = _spd(10, 4).float()
+    previous = BasisSolver("eigh")(_spd(10, 5).float(), torch.float32, None)
+
+    def failing_qr(matrix: torch.Tensor) -> None:
+        raise torch.linalg.LinAlgError("injected")
+
+    monkeypatch.setattr(torch.linalg, "qr", failing_qr)
+    q, _ = BasisSolver("subspace", max_drift=1.0)(f, torch.float32, previous)
+    torch.testing.assert_close(q, torch.linalg.eigh(f)[1], atol=0, rtol=0)
+
+
+def test_exact_mode_is_the_canonical_eigh() -> None:
+    f = _spd(12, 6, rows=4)  # rank 4: an 8-dimensional null space, a cluster whose basis rounding would pick
+    q, v = BasisSolver("exact", rounding=torch.finfo(torch.float32).eps)(f, torch.float32, None)
+    q_ref, v_ref = canonical_eigh(f.float(), torch.finfo(torch.float32).eps)  # of the float32 factor
+    torch.testing.assert_close(q, q_ref.float(), atol=0, rtol=0)
+    torch.testing.assert_close(v, v_ref.float(), atol=0, rtol=0)
+
+
+def _three_layers(**keys) -> tuple[nn.Module, KFACPreconditioner]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 4), nn.Tanh(), nn.Linear(4, 3))
+    kfac = KFACPreconditioner(model, lr=0.1, damping=0.01, **keys)
+    return model, kfac
+
+
+def _train(model: nn.Module, kfac: KFACPreconditioner, steps: int, seed: int = 0) -> list[dict]:
+    """``steps`` steps of random batches; each step's sides (layer -> (Q_A, Q_G)) after it."""
+    g = torch.Generator().manual_seed(seed)
+    bases = []
+    for _ in range(steps):
+        model.zero_grad()
+        model(torch.randn(16, 6, generator=g)).square().mean().backward()
+        kfac.step()
+        bases.append({b.name: (b.decomposition[0].clone(), b.decomposition[2].clone()) for b in kfac.blocks})
+    return bases
+
+
+def test_a_refresh_updates_the_kept_basis_from_the_factors() -> None:
+    """Second refresh onwards: each side is one subspace step from the side it replaces, with that step's factors."""
+    model, kfac = _three_layers(inv_update_steps=2, factor_decay=0.5, basis_max_drift=1.0)
+    bases = _train(model, kfac, 3)
+    block = kfac.blocks[0]
+    for side, (factor, at) in {"A": (block.a.value, 0), "G": (block.g.value, 1)}.items():
+        q_ref, _ = _reference_step(factor, bases[1][block.name][at])
+        torch.testing.assert_close(bases[2][block.name][at].double(), q_ref, atol=1e-4, rtol=0)
+    assert not torch.equal(bases[2][block.name][0], bases[1][block.name][0])
+
+
+def test_spread_slots_balance_each_ranks_cost() -> None:
+    _, kfac = _three_layers()
+    blocks = kfac.blocks  # factor sizes: A 7, 13, 5 and G 12, 4, 3 (bias columns on A)
+    slots = spread_slots(blocks, 3, lambda name, side: 0)
+    # Cost d^3, longest first to the least loaded slot (ties: the lowest): 13 -> 0, 12 -> 1, then 7, 5, 4, 3 -> 2
+    # (343 + 125 + 64 stays below 12^3).
+    expected = {("2", "A"): 0, ("0", "G"): 1, ("0", "A"): 2, ("4", "A"): 2, ("2", "G"): 2, ("4", "G"): 2}
+    assert slots == expected
+    two_ranks = spread_slots(blocks, 2, lambda name, side: 0 if side == "A" else 1)
+    assert {k: v for k, v in two_ranks.items() if k[1] == "A"} == {("2", "A"): 0, ("0", "A"): 1, ("4", "A"): 1}
+    assert {k: v for k, v in two_ranks.items() if k[1] == "G"} == {("0", "G"): 0, ("2", "G"): 1, ("4", "G"): 1}
+
+
+def test_spread_refreshes_each_side_in_its_slot_only() -> None:
+    """Step 0 decomposes every side; afterwards a side changes exactly at the steps of its slot, and to the full
+    eigh of its factor at that step (``basis_update: "eigh"``)."""
+    model, kfac = _three_layers(inv_update_steps=3, refresh_spread=True, basis_update="eigh", factor_decay=0.5)
+    slots = spread_slots(kfac.blocks, 3, kfac.distributor.decomposer)
+    g = torch.Generator().manual_seed(1)
+    previous = None
+    for step in range(7):
+        model.zero_grad()
+        model(torch.randn(16, 6, generator=g)).square().mean().backward()
+        kfac.step()
+        for b in kfac.blocks:
+            for side, at, factor in (("A", 0, b.a.value), ("G", 2, b.g.value)):
+                q = b.decomposition[at]
+                if step == 0 or slots[(b.name, side)] == step % 3:
+                    torch.testing.assert_close(q, torch.linalg.eigh(factor)[1], atol=0, rtol=0)
+                else:
+                    assert torch.equal(q, previous[(b.name, side)])
+        previous = {(b.name, s): b.decomposition[at].clone() for b in kfac.blocks for s, at in (("A", 0), ("G", 2))}
+
+
+def test_stacks_are_recopied_only_for_groups_with_a_new_state() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3))  # two layers of one shape, one other
+    kfac = KFACPreconditioner(model, lr=0.1, inv_update_steps=2, refresh_spread=True, basis_update="eigh")
+    slots = spread_slots(kfac.blocks, 2, kfac.distributor.decomposer)
+    assert {slots[("0", "A")], slots[("1", "A")]} == {0, 1}  # the equal layers' refreshes land on different steps
+    groups = []
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(8, 6)).square().mean().backward()
+        kfac.step()
+        groups.append({tuple(g.positions): g.state[0] for g in kfac._stacks._groups})
+    # Layer "2" has both sides in slot 0 (LPT: 7^3 to slots 0, 1, 0; 6^3 to 1, 1; 3^3 to 0): its group is re-stacked at
+    # steps 0 and 2 only, and at step 1 its stack is the same tensor; the pair's group is re-stacked at every step.
+    assert slots[("2", "A")] == slots[("2", "G")] == 0
+    assert groups[1][(2,)] is groups[0][(2,)] and groups[2][(2,)] is not groups[1][(2,)]
+    assert groups[1][(0, 1)] is not groups[0][(0, 1)] and groups[2][(0, 1)] is not groups[1][(0, 1)]
+
+
+def test_the_flush_is_the_exact_modes_only() -> None:
+    """Without ``rounding`` the key's direction is two rotations and Adam's rule (float64 reference); with it,
+    rotated entries within rounding of 0 are flushed."""
+    g = torch.Generator().manual_seed(7)
+    qa = torch.linalg.qr(torch.randn(2, 5, 5, generator=g, dtype=torch.float64))[0]
+    qg = torch.linalg.qr(torch.randn(2, 4, 4, generator=g, dtype=torch.float64))[0]
+    grads = torch.randn(2, 4, 5, generator=g, dtype=torch.float64)
+    rule = MomentRule(0.9, 0.999, 1e-8, bias_correction=True)
+    out = eigenbasis_directions(qa, qg, grads, [EigenbasisMoments(), EigenbasisMoments()], rule)
+    rotated = qg.mT @ grads @ qa
+    m, v = 0.1 * rotated, 0.001 * rotated.square()
+    expected = qg @ (m / 0.1 / (v.sqrt() / 0.001**0.5 + 1e-8)) @ qa.mT
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+    tiny = grads.clone()
+    diagonal = torch.zeros(4, 5, dtype=torch.float64)
+    diagonal[0, 0], diagonal[1, 1], diagonal[2, 2], diagonal[3, 3] = 1.0, 1e-20, 1.0, 1.0
+    tiny[0] = qg[0] @ diagonal @ qa[0].T  # rotates back to ``diagonal``: its 1e-20 is below the rounding bound
+    moments = [EigenbasisMoments(), EigenbasisMoments()]
+    eigenbasis_directions(qa, qg, tiny, moments, rule, rounding=torch.finfo(torch.float64).eps)
+    assert moments[0].value[0][1, 1] == 0.0 and moments[0].value[0][0, 0] != 0.0
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"basis_update": "qr"}, "basis_update"),
+        ({"basis_max_drift": 0.0}, "basis_max_drift"),
+        ({"basis_max_drift": 1.5}, "basis_max_drift"),
+        ({"refresh_spread": True, "inv_update_steps": "adaptive"}, "fixed inv_update_steps"),
+        ({"refresh_spread": True, "async_decompositions": True}, "async_decompositions"),
+    ],
+)
+def test_bad_settings_are_refused(keys: dict, message: str) -> None:
+    with pytest.raises(KFACConfigError, match=message):
+        KFACConfig.parse(keys)
