@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,21 @@ def test_scripts_are_valid_bash_and_name_real_checks() -> None:
     text = (ROOT / "benchmarks/gpu/run_all.sh").read_text()
     named = {line.split()[2] for line in text.splitlines() if line.strip().startswith("check ") and "()" not in line}
     assert named == set(bundle.CHECKS)
+
+
+def test_arch_list_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--arch-list``: lamb runs with TORCH_CUDA_ARCH_LIST unset and set to the GPU's capability (issue 45)."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert bundle.set_arch_list(None) == "9.0a"  # as the environment has it
+    assert bundle.set_arch_list("unset") is None and "TORCH_CUDA_ARCH_LIST" not in bundle.os.environ
+    assert bundle.set_arch_list("device") is None  # no GPU here: left unset
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    assert bundle.set_arch_list("device") == "9.0" == bundle.os.environ["TORCH_CUDA_ARCH_LIST"]
+    assert bundle.build_parser().parse_args(["--check", "lamb", "--arch-list", "device"]).arch_list == "device"
+    text = (ROOT / "benchmarks/gpu/run_all.sh").read_text()
+    parts = re.split(r"\n  (?=\S)", text.split("case $PART in")[1])  # 1), all), 3), 2): lamb both ways or not at all
+    assert sum(" lamb " in part for part in parts) == 3
+    for part in parts:
+        assert (" lamb " in part) == ("lamb --arch-list unset" in part) == ("lamb --arch-list device" in part), part

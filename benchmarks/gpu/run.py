@@ -3,14 +3,17 @@
     python benchmarks/gpu/run.py --check tests      # the CUDA-only tests (fp16 engines, conventions on the device)
     python benchmarks/gpu/run.py --check fp16       # fp16 ZeRO 1/2, dynamic loss scale: G, overflow, no NaN
     python benchmarks/gpu/run.py --check lamb       # JSON Lamb resolves to FusedLamb with K-FAC on, = ds_kfac.Lamb
+    python benchmarks/gpu/run.py --check lamb --arch-list device  # the same with TORCH_CUDA_ARCH_LIST=<the GPUs'>
     python benchmarks/gpu/run.py --check step-cost  # step_cost.py at BERT-base shapes, GA 1/8/32, eigenbasis, async
     python benchmarks/gpu/run.py --check bert --peer-config configs/x.json  # BERT-small time to target
     ... --device cpu --tiny                         # the same at toy sizes on the CPU (fp16 becomes bf16 there)
 
 ``--out`` defaults to ``$OUT`` (the device tool's folder) or ``runs/gpu``. Every JSON holds ``check``,
 ``command``, ``device``, ``tiny``, ``environment`` (Python, torch, CUDA, cuDNN, driver, GPU, DeepSpeed,
-transformers, ds_kfac's commit), ``seconds``, ``passed`` and the check's own results. ``run_all.sh`` runs them
-in the order and time budget of two device calls; README.md beside this file says how.
+transformers, ds_kfac's commit), ``arch_list`` (``TORCH_CUDA_ARCH_LIST`` as the check ran: ``--arch-list``, the
+value, and the value the environment had), ``seconds``, ``passed`` and the check's own results; with ``--arch-list``
+the file is ``<check>_arch_<mode>.json``. ``run_all.sh`` runs them in the order and time budget of two device calls;
+README.md beside this file says how.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "tests
 import launch  # noqa: E402  (tests/launch.py)
 import step_cost  # noqa: E402
 import time_to_target as ttt  # noqa: E402
+
+from ds_kfac.integration.cuda_ops import ARCH_LIST_ENV, buildable_arch_list, device_capabilities  # noqa: E402
 
 Result = dict[str, Any]
 KFAC = {"damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
@@ -241,6 +246,7 @@ def lamb_engines(device: str) -> Result:
         "kfac": KFAC,
     }
     fused_model, torch_model = problem.make_model(), problem.make_model()
+    arch_list = os.environ.get(ARCH_LIST_ENV)
     with warnings.catch_warnings(record=True) as caught:  # resolve_lamb says why no fused LAMB was built
         warnings.simplefilter("always")
         fused, *_ = ds_kfac.initialize(
@@ -262,10 +268,12 @@ def lamb_engines(device: str) -> Result:
             torch.testing.assert_close(a, b, **FP32_TOL)
     resolved = type(fused.basic_optimizer).__name__
     expected = "FusedLamb" if device == "cuda" else "Lamb"
+    restored = os.environ.get(ARCH_LIST_ENV) == arch_list  # the FusedLamb build sets it, then puts it back
     return {
-        "passed": resolved == expected,
+        "passed": resolved == expected and restored,
         "resolved": resolved,
         "expected": expected,
+        "arch_list_restored": restored,
         "kfac_on": fused.kfac is not None,
         "warnings": [str(w.message)[:2000] for w in caught],
         "max_abs_difference_per_step": differences,
@@ -470,6 +478,23 @@ def check_bert(args: argparse.Namespace) -> Result:
 
 
 # ---------------------------------------------------------------- driver
+ARCH_LIST_MODES = ("unset", "device")
+"""``--arch-list``: the check runs with ``TORCH_CUDA_ARCH_LIST`` unset, or set to the visible GPUs' capabilities
+(``"9.0"`` on an H100), so the bundle covers FusedLamb's build both ways (issue 45)."""
+
+
+def set_arch_list(mode: Optional[str]) -> Optional[str]:
+    """Set ``TORCH_CUDA_ARCH_LIST`` in this process (and the launches it makes) for ``--arch-list``; its value after
+    (``None``: unset). ``device`` without a GPU (the dry run) leaves it unset."""
+    if mode is not None:
+        os.environ.pop(ARCH_LIST_ENV, None)
+    if mode == "device":
+        value = buildable_arch_list(None, device_capabilities())
+        if value is not None:
+            os.environ[ARCH_LIST_ENV] = value
+    return os.environ.get(ARCH_LIST_ENV)
+
+
 CHECKS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "tests": check_tests,
     "fp16": check_fp16,
@@ -489,6 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (a step-cost run, a BERT run)")
     parser.add_argument("--budget", type=float, help="step-cost, bert: seconds for all the check's launches")
     parser.add_argument("--only", nargs="+", help="step-cost: these runs of step_cost_runs, in this order")
+    parser.add_argument(
+        "--arch-list",
+        choices=ARCH_LIST_MODES,
+        help="TORCH_CUDA_ARCH_LIST for the check (lamb: FusedLamb's build): unset, or the GPUs' capabilities; "
+        "default: as the environment has it",
+    )
     parser.add_argument("--peer-config", action="append", default=[], help="bert: a phase-2 config to compare too")
     parser.add_argument("--phase1-steps", type=int, help="bert: phase-1 steps (default 600; tiny 4)")
     parser.add_argument("--phase2-steps", type=int, help="bert: phase-2 steps (default 150; tiny 4)")
@@ -501,6 +532,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.phase2_steps = args.phase2_steps or (4 if args.tiny else 150)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny for the dry run)")
+    inherited = os.environ.get(ARCH_LIST_ENV)
+    arch_list = {"mode": args.arch_list, "value": set_arch_list(args.arch_list), "inherited": inherited}
     start = time.perf_counter()
     try:
         result = CHECKS[args.check](args)
@@ -514,12 +547,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "command": shlex.join(["python", "benchmarks/gpu/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "device": args.device,
         "tiny": args.tiny,
+        "arch_list": arch_list,
         "environment": environment(),
         "seconds": time.perf_counter() - start,
         **result,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{args.check.replace('-', '_')}.json"
+    path = args.out / f"{args.check.replace('-', '_')}{f'_arch_{args.arch_list}' if args.arch_list else ''}.json"
     path.write_text(json.dumps(record, indent=1, default=str))
     print(f"{args.check}: {'passed' if record['passed'] else 'FAILED'} in {record['seconds']:.0f}s -> {path}")
     return 0 if record["passed"] else 1

@@ -25,7 +25,8 @@ preference when ``backend="auto"``:
 2. DeepSpeed ``deepspeed.ops.lamb.FusedLamb`` when every parameter is a
    contiguous CUDA float32/float64 tensor, ``max_grad_norm`` is 0 (its
    ``step()`` needs caller-supplied group norms to clip) and its CUDA extension
-   builds or loads.
+   builds or loads (for the visible devices' compute capabilities where ``TORCH_CUDA_ARCH_LIST`` is unset or has
+   an entry such as ``9.0a`` that DeepSpeed's builder cannot parse: :mod:`ds_kfac.integration.cuda_ops`).
 3. The pure-PyTorch :class:`~ds_kfac.optimizers.lamb.Lamb` otherwise, and always where a param group is
    flagged ``eigenbasis_moments`` (:mod:`.eigenbasis`), which the fused ones do not know.
 """
@@ -150,10 +151,14 @@ def _deepspeed_unsupported(
 
 
 def _build_deepspeed(params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """Construct DeepSpeed FusedLamb (builds or loads its CUDA extension)."""
+    """Construct DeepSpeed FusedLamb (builds or loads its CUDA extension), with a ``TORCH_CUDA_ARCH_LIST`` its
+    builder parses (``ds_kfac.integration.cuda_ops``: ``9.0a`` makes it fail; the user's value is restored)."""
     from deepspeed.ops.lamb import FusedLamb
 
-    return FusedLamb(params, **kwargs)
+    from ..integration.cuda_ops import deepspeed_arch_list
+
+    with deepspeed_arch_list():
+        return FusedLamb(params, **kwargs)
 
 
 _FUSED_BACKENDS = (("apex", _apex_unsupported, _build_apex), ("deepspeed", _deepspeed_unsupported, _build_deepspeed))
