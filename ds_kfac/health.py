@@ -9,9 +9,12 @@ involved, so a persistent problem is visible without flooding the log.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .state import TrainingState
+
+if TYPE_CHECKING:
+    from .collection import FactorCollector
 
 
 class Health:
@@ -108,14 +111,25 @@ class Health:
             ),
         )
 
-    def step_without_backward(self, step: int) -> None:
-        """A ``step()`` that no backward through a registered layer preceded (skipped)."""
+    def step_without_backward(self, step: int, hooks: FactorCollector) -> None:
+        """A ``step()`` that no backward through a registered layer preceded (skipped), said with what ``hooks`` saw:
+        "step() called twice?" only where the layers ran before but neither forward nor backward since the last
+        step. Neither counted nor warned about without hooks: with no layer registered no step has a backward, and
+        construction said why, once (:func:`~ds_kfac.layers.find_layers`)."""
+        if not hooks.hooked:
+            return
+        if not hooks.ever_fired:
+            why = "yet (step() before the first forward and backward?)"
+        elif hooks.forward_seen:
+            why = "since the last step, though they ran forward with gradients enabled (a loss that does not use them?)"
+        else:
+            why = "since the last step, nor a forward (step() called twice?)"
         self._report(
             "steps_without_backward",
             1,
             [f"step {step}"],
             lambda new: (
-                f"K-FAC step {step} skipped: no backward pass through its layers since the last step "
-                f"(step() called twice?); the gradients were left as they are and the step count did not advance"
+                f"K-FAC step {step} skipped: no backward pass through its layers {why}; the gradients were left as "
+                f"they are and the step count did not advance"
             ),
         )

@@ -309,7 +309,7 @@ class KFACPreconditioner(SampledFisher, Reporting):
                 f"compile (fullgraph=False), or call torch._dynamo.reset() before compiling; or these layers are "
                 f"called through a functional path (F.linear on their weight): list them in skip_layers"
             )
-        self.health.step_without_backward(self.steps)
+        self.health.step_without_backward(self.steps, self.collector)
         return False
 
     def finish_step(self) -> None:

@@ -321,7 +321,7 @@ def test_json_lamb_is_chosen_by_the_device_the_engine_moves_the_model_to(monkeyp
     """ds_kfac.initialize builds a JSON optimizer before DeepSpeed moves the model to its accelerator, so the
     parameters are still on the CPU: the fused backend is chosen by the engine's device (on a GPU, JSON "Lamb"
     with K-FAC on had resolved to the pure-PyTorch Lamb). A stand-in FusedLamb records that it was built."""
-    from ds_kfac.integration import initialize as init
+    from ds_kfac.integration import optimizer_setup as setup
     from ds_kfac.optimizers import resolve
 
     built = []
@@ -341,12 +341,12 @@ def test_json_lamb_is_chosen_by_the_device_the_engine_moves_the_model_to(monkeyp
     monkeypatch.setattr(resolve, "_FUSED_BACKENDS", (fake,))
 
     model = torch.nn.Linear(2, 2)
-    assert init.engine_device(model) == torch.device("cpu")  # this machine's accelerator
+    assert setup.engine_device(model) == torch.device("cpu")  # this machine's accelerator
     model.weight.ds_id = 0  # built under zero.Init: ZeRO-3 places it
-    assert init.engine_device(model) is None
-    monkeypatch.setattr(init, "engine_device", lambda model: torch.device("cuda", 0))
+    assert setup.engine_device(model) is None
+    monkeypatch.setattr(setup, "engine_device", lambda model: torch.device("cuda", 0))
     config = {"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}
-    assert init._optimizer_from_json(config, torch.nn.Linear(2, 2), None, KFACConfig.parse({})) == "fused"
+    assert setup.optimizer_from_json(config, torch.nn.Linear(2, 2), None, KFACConfig.parse({})) == "fused"
 
 
 def test_apex_argument_mapping() -> None:

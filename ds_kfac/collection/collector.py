@@ -115,6 +115,10 @@ class FactorCollector:
         """Whether some registered layer's output received a gradient since :meth:`arm`."""
         self.ever_fired = False
         """Whether any hook ever ran since the collector was built."""
+        self.forward_seen = False
+        """Whether some registered layer ran forward with gradients enabled since :meth:`arm`."""
+        self.hooked = bool(blocks) or bool(relays)
+        """Whether any layer has hooks: without (no layer registered), no step is ever preceded by a backward."""
         self._forwards: Counter[str] = Counter()  # this step's forward calls that can get a backward
         self._backwards: Counter[str] = Counter()
         hook = torch.compiler.disable(self._forward_hook, reason=compile_reason)
@@ -127,7 +131,7 @@ class FactorCollector:
     def arm(self, collecting: bool) -> None:
         """Start a step: gather factors during it or not."""
         self.collecting = collecting
-        self.backward_seen = False
+        self.backward_seen = self.forward_seen = False
         self.sampled_passes = 0
         self.discard()
 
@@ -153,7 +157,7 @@ class FactorCollector:
         output = block.adapter.output_of(output)
         if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
-        self.ever_fired = True
+        self.ever_fired = self.forward_seen = True
         if not (self._gathering(module) and self.distributor.collects(block)):
             if not self.backward_seen:
                 output.register_hook(self._mark_backward)
@@ -227,7 +231,7 @@ class FactorCollector:
         output = adapter.output_of(output)
         if not (torch.is_grad_enabled() and output is not None and output.requires_grad):
             return
-        self.ever_fired = True
+        self.ever_fired = self.forward_seen = True
         if not self._gathering(module):
             if not self.backward_seen:
                 output.register_hook(self._mark_backward)

@@ -146,7 +146,7 @@ def find_layers(
     for s in skipped:
         logger.info("K-FAC skips %s: %s", s.name, s.reason)
     if warn:
-        _warn(layers, skipped, tied_skips)
+        _warn(model, layers, skipped, tied_skips)
         _warn_unregistered(model, patterns, batchnorm)
     return layers, skipped
 
@@ -243,8 +243,11 @@ def _shared(name: str, module: nn.Module, params: Iterable[nn.Parameter], owners
     return "; ".join(parts)
 
 
-def _warn(layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], tied: list[SkippedLayer]) -> None:
-    """The skips a user must hear about (stack level: the caller of ``KFACPreconditioner``)."""
+def _warn(
+    model: nn.Module, layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], tied: list[SkippedLayer]
+) -> None:
+    """The skips a user must hear about, and with no layer registered why, naming the layers seen (stack level: the
+    caller of ``KFACPreconditioner``)."""
     if tied:
         warnings.warn(
             "K-FAC skips layers whose parameters other modules share (tied weights: their gradient sums every use, "
@@ -262,8 +265,8 @@ def _warn(layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], t
     else:
         types = ", ".join(t.__name__ for t in _ADAPTERS)
         message = (
-            f"the model has no module of a supported type ({types} or a subclass); teach K-FAC another module type "
-            f"with ds_kfac.register_adapter(module_type, adapter)"
+            f"the model has no module of a supported type ({types} or a subclass), {_trainable_modules(model)}; "
+            f"teach K-FAC another module type with ds_kfac.register_adapter(module_type, adapter)"
         )
     warnings.warn(
         f"K-FAC registered no layer, so it preconditions nothing and the model trains with the base optimizer "
@@ -271,3 +274,17 @@ def _warn(layers: list[tuple[str, LayerAdapter]], skipped: list[SkippedLayer], t
         UserWarning,
         stacklevel=4,
     )
+
+
+def _trainable_modules(model: nn.Module, most: int = 8) -> str:
+    """The modules of ``model`` holding trainable parameters, by name and type (the first ``most``): what K-FAC saw
+    when it registered none."""
+    seen = [
+        f"{name!r} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if any(p.requires_grad for p in module.parameters(recurse=False))
+    ]
+    if not seen:
+        return "nor any module with trainable parameters"
+    more = f" and {len(seen) - most} more" if len(seen) > most else ""
+    return f"only {', '.join(seen[:most])}{more} with trainable parameters"

@@ -11,7 +11,7 @@ from typing import Any, Union
 import torch
 
 from ..config import KFACConfig, KFACConfigError
-from ..integration.initialize import raw_gradient_clipping, refuse_flat_muon
+from ..integration.optimizer_setup import raw_gradient_clipping, refuse_flat_muon
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Job:
     param_dtype: torch.dtype
     """The model's dtype in the engine (fp16 or bf16 when enabled): the gradients', and ZeRO's flat buffers'."""
     raw_clipping: float
-    """``gradient_clipping`` with DeepSpeed's default (``integration.initialize.raw_gradient_clipping``): with
+    """``gradient_clipping`` with DeepSpeed's default (``integration.optimizer_setup.raw_gradient_clipping``): with
     ``eigenbasis_moments`` the engine clips the raw gradients itself, one more all-reduce of their norm per step
     under ZeRO 1/2."""
     parameter_alignment: bool

@@ -5,14 +5,15 @@ does. This script trains phase 1 (``configs/bert_cpu_phase1_lamb.json`` through 
 ranks) into ``<out>/<key>/`` unless that run is already complete, then prints the directory, which holds
 ``checkpoints/`` (the final step), ``tokenizer/`` and ``metrics.csv``; ``pretrain.py --init-checkpoint <dir>``
 takes both the weights and the tokenizer from it. The key hashes what determines the checkpoint: the config, the
-corpus digest, the code that trains (``examples/bert/pretrain.py`` and ``data.py``, ``ds_kfac``'s optimizers and
-``initialize``), the seed and the versions of torch, transformers, tokenizers and DeepSpeed. Everything else it
+corpus digest, the code that trains (:func:`code_files`: the example, the LAMB optimizer and how
+``ds_kfac.initialize`` builds it), the seed and the versions of torch, transformers, tokenizers and DeepSpeed. Everything else it
 and the launcher print goes to stderr, so ``$(python examples/bert/phase1.py)`` captures the path alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import hashlib
 import json
@@ -27,15 +28,51 @@ from ds_kfac.integration.cleanup import run_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bert_cpu_phase1_lamb.json"
-CODE = [
-    ROOT / "examples" / "bert" / "pretrain.py",
-    ROOT / "examples" / "bert" / "data.py",
-    *sorted((ROOT / "ds_kfac" / "optimizers").glob("*.py")),
-    ROOT / "ds_kfac" / "integration" / "initialize.py",
-]
-"""The code whose change makes a new phase 1 (the training loop, the data, the optimizer that trains it)."""
 COMPLETE = "phase1-complete.json"
 """Written into the run's directory when it finished: a directory without it is rebuilt."""
+
+
+def code_files(root: Path) -> list[Path]:
+    """The code under ``root`` whose change makes a new phase 1. Phase 1 is plain DeepSpeed with a JSON ``Lamb``,
+    so it runs the example's training loop and data (``pretrain.py``, ``data.py``), ``ds_kfac.initialize``'s
+    building of that optimizer (``initialize.py``, ``integration/optimizer_setup.py``: which class, for which
+    device), and the LAMB it resolves to (``optimizers/resolve.py``, ``optimizers/lamb.py``) with the ds_kfac
+    modules those two import (:func:`ds_kfac_imports`). Not the other optimizers (Muon, the client optimizers), nor
+    the K-FAC engine that ``initialize.py`` imports but a config without ``"kfac"`` never builds: an edit there
+    must not retrain a 14-minute phase 1."""
+    lamb = ds_kfac_imports([root / "ds_kfac" / "optimizers" / name for name in ("lamb.py", "resolve.py")], root)
+    example = [root / "examples" / "bert" / name for name in ("pretrain.py", "data.py")]
+    building = [root / "ds_kfac" / "integration" / name for name in ("initialize.py", "optimizer_setup.py")]
+    return [*example, *building, *lamb]
+
+
+def ds_kfac_imports(modules: list[Path], root: Path) -> list[Path]:
+    """``modules`` and, transitively, every ``ds_kfac`` module under ``root`` they import (at any depth of the
+    file, relative or absolute; a package as its ``__init__.py``), sorted. Read from the source, not from
+    ``sys.modules``, whose list depends on what else was imported."""
+    found, todo = set(), list(modules)
+    while todo:
+        path = todo.pop()
+        if path in found:
+            continue
+        found.add(path)
+        package = path.parent.relative_to(root).parts
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else ()
+                module = tuple(part for part in (*base, *(node.module or "").split(".")) if part)
+                names = [module] if node.module else []
+                names += [(*module, alias.name) for alias in node.names]  # an imported name may be a module
+            elif isinstance(node, ast.Import):
+                names = [tuple(alias.name.split(".")) for alias in node.names]
+            else:
+                continue
+            for parts in names:
+                if parts[:1] != ("ds_kfac",):
+                    continue
+                module = root.joinpath(*parts)
+                todo += [p for p in (module.with_suffix(".py"), module / "__init__.py") if p.is_file()]
+    return sorted(found)
 
 
 def key(config: Path, cache: Path, seed: int) -> str:
@@ -49,7 +86,7 @@ def key(config: Path, cache: Path, seed: int) -> str:
     settings = json.loads(config.read_text())
     model = ROOT / settings.get("bert", {}).get("model", "configs/bert/bert-tiny.json")
     digest = hashlib.sha256()
-    for path in [config, model, *CODE]:
+    for path in [config, model, *code_files(ROOT)]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     documents = data.embedded_corpus("packages", cache_dir=cache / "corpus-cache")
     versions = [torch.__version__, transformers.__version__, tokenizers.__version__, deepspeed.__version__]

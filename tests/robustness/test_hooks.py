@@ -61,12 +61,42 @@ def test_step_twice_without_backward_is_a_noop() -> None:
     kfac = KFACPreconditioner(model, lr=0.1, kl_clip=None, damping=0.01)
     _train_step(model, kfac)
     once = [p.grad.clone() for p in model.parameters()]
-    with pytest.warns(RuntimeWarning, match=r"step 1 skipped: no backward pass"):
+    with pytest.warns(
+        RuntimeWarning, match=r"step 1 skipped: no backward pass.*nor a forward \(step\(\) called twice\?\)"
+    ):
         kfac.step()
     assert kfac.steps == 1 and kfac.counters["steps_without_backward"] == 1
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), once))
     _train_step(model, kfac)  # a real step afterwards works as usual
     assert kfac.steps == 2
+
+
+def _step_warnings(kfac: KFACPreconditioner) -> list[str]:
+    """The warnings of one ``kfac.step()``, each as often as it is raised."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        kfac.step()
+    return [str(w.message) for w in record]
+
+
+def test_a_step_without_backward_blames_step_twice_only_when_nothing_ran_since_the_last() -> None:
+    """Issue 47, item 3: "step() called twice?" only for a step after a step with neither a forward nor a backward
+    through the layers in between; a first step before any pass, and a step after a forward whose loss does not use
+    the layers, say so instead. Each is skipped and counted as before."""
+    model = _mlp()
+    kfac = KFACPreconditioner(model, lr=0.1, kl_clip=None)
+    (first,) = _step_warnings(kfac)
+    assert "K-FAC step 0 skipped: no backward pass through its layers yet (step() before the first forward" in first
+    _train_step(model, kfac)
+    model(_batch()[0])  # a forward with gradients enabled, then a loss of something else
+    torch.zeros(1, requires_grad=True).sum().backward()
+    (unused,) = _step_warnings(kfac)
+    assert (
+        "K-FAC step 1 skipped: no backward pass through its layers since the last step, though they ran forward"
+        in unused
+    )
+    assert "called twice" not in first + unused
+    assert kfac.steps == 1 and kfac.counters["steps_without_backward"] == 2
 
 
 def test_a_step_after_backward_through_an_unsupported_path_still_runs() -> None:

@@ -255,6 +255,28 @@ def test_no_supported_layer_type_warns_once_pointing_at_register_adapter() -> No
     assert "ds_kfac.register_adapter" in message
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["no-supported-type", "all-skipped"])
+def test_a_model_without_registered_layers_says_so_once_and_its_steps_say_nothing(skip: bool) -> None:
+    """Issue 47, item 3: a model with no registered layer is named once, at construction, with the layers K-FAC saw
+    and why none registered; its steps (none can follow a backward through a registered layer) neither warn
+    "step() called twice?" on every step nor count ``steps_without_backward``."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.LayerNorm(8), *[nn.Linear(8, 1)] * skip)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        kfac = KFACPreconditioner(model, lr=0.1, skip_layers=["^3$"])
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randint(0, 10, (5, 2))).sum().backward()
+            kfac.step()
+    (message,) = [str(w.message) for w in record]
+    assert message.startswith("K-FAC registered no layer, so it preconditions nothing")
+    if skip:
+        assert "every supported layer was skipped ('3': name matches skip_layers pattern '^3$')" in message
+    else:
+        assert "only '0' (Embedding), '2' (LayerNorm) with trainable parameters" in message
+    assert kfac.steps == 0 and "steps_without_backward" not in kfac.counters
+
+
 def test_all_layers_skipped_warns_once_with_the_reasons_on_rank_0_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """issue 14, item 9b: every supported layer skipped: one warning listing each skip and its reason, from
     data-parallel rank 0 only (the other ranks' is the same)."""
