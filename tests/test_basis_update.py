@@ -114,6 +114,8 @@ def test_a_refresh_updates_the_kept_basis_from_the_factors() -> None:
         q_ref, _ = _reference_step(factor, bases[1][block.name][at])
         torch.testing.assert_close(bases[2][block.name][at].double(), q_ref, atol=1e-4, rtol=0)
     assert not torch.equal(bases[2][block.name][0], bases[1][block.name][0])
+    metrics = kfac.metrics()  # 3 layers x 2 sides: in full at step 0, by a subspace step at step 2
+    assert (metrics["kfac/refresh/full"], metrics["kfac/refresh/subspace"]) == (6.0, 6.0)
 
 
 def test_spread_slots_balance_each_ranks_cost() -> None:

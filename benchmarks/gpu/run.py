@@ -307,9 +307,11 @@ def launch_timeout(args: argparse.Namespace, start: float) -> Optional[float]:
 
 def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[str]]:
     """The ``step_cost.py run`` invocations, by name: BERT-base on one GPU, LAMB as ``resolve_lamb`` picks it
-    (FusedLamb), the BERT demo's cadence (factors every 5 steps, the last micro-batch's; decompositions every 25),
-    GA 1 and 8 with plain K-FAC, GA 8 with async decompositions and with the eigenbasis key, GA 32 on one cycle (in
-    that order: the most wanted first). Tiny: the smoke sizes (BERT-tiny, cadence 2/4) at GA 1, one cycle."""
+    (FusedLamb), the BERT demo's cadence (factors every 5 steps, the last micro-batch's; decompositions every 25). In
+    that order, the most wanted first: GA 8 with the method as shipped (the eigenbasis key, warm-started bases,
+    refreshes spread over the cycle: issue 45's targets) and with the key as it was before (exact bases, all refreshes
+    at once), GA 1 and 8 with plain K-FAC, GA 8 with async decompositions, GA 32 on one cycle, the inverse method.
+    Tiny: the smoke sizes (BERT-tiny, cadence 2/4) at GA 1, one cycle."""
     common = ["run", "--workloads", "bert-base", "--worlds", "1", "--device", device, "--timeout", str(timeout)]
     plain = ["--set", "eigenbasis_moments=false"]
     if tiny:
@@ -317,22 +319,61 @@ def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[st
     cadence = ["--set", "factor_update_steps=5", "--set", "inv_update_steps=25"]
     slower = ["--set", "factor_update_steps=10", "--set", "inv_update_steps=100"]
     inverse = ["--set", "compute_method=inverse"]
+    unspread = ["--set", "refresh_spread=false"]
     return {
+        "shipped_ga8": [*common, *cadence, "--ga", "8", "--cycles", "2"],
+        "exact_unspread_ga8": [
+            *common,
+            *cadence,
+            "--set",
+            'basis_update="exact"',
+            *unspread,
+            "--ga",
+            "8",
+            "--cycles",
+            "1",
+        ],
         "plain_ga1_ga8": [*common, *cadence, *plain, "--ga", "1", "8", "--cycles", "2"],
-        "async_ga8": [*common, *cadence, *plain, "--set", "async_decompositions=true", "--ga", "8", "--cycles", "2"],
-        "eigenbasis_ga8": [*common, *cadence, "--ga", "8", "--cycles", "2"],
+        "async_ga8": [
+            *common,
+            *cadence,
+            *plain,
+            *unspread,
+            "--set",
+            "async_decompositions=true",
+            "--ga",
+            "8",
+            "--cycles",
+            "2",
+        ],
         "plain_ga32": [*common, *cadence, *plain, "--ga", "32", "--cycles", "1", "--warmup-steps", "5"],
         # After the first GPU run (decompositions 2.5 s a refresh by eigh, preconditioning 27 ms a step): the inverse
         # method (a Cholesky inverse a refresh, two matmuls a layer a step), at the demo's cadence and a longer one.
-        "inverse_ga8": [*common, *cadence, *plain, *inverse, "--ga", "8", "--cycles", "1"],
-        "inverse_10_100_ga8": [*common, *slower, *plain, *inverse, "--ga", "8", "--cycles", "1"],
+        "inverse_ga8": [*common, *cadence, *plain, *unspread, *inverse, "--ga", "8", "--cycles", "1"],
+        "inverse_10_100_ga8": [*common, *slower, *plain, *unspread, *inverse, "--ga", "8", "--cycles", "1"],
     }
+
+
+def _ratio_target(name: str, ga: int, ratio: float) -> Optional[bool]:
+    """Whether a run meets its step-ratio target at GA 8 (``None``: it has none)."""
+    limits = {"shipped": 1.15, "plain": 1.10, "async": 1.10}
+    limit = next((v for k, v in limits.items() if name.startswith(k)), None)
+    return ratio <= limit if limit is not None and ga == 8 else None
+
+
+def _slowest_target(name: str, slowest_over_median: float) -> Optional[bool]:
+    """Whether a run meets its slowest-step target (``None``: it has none)."""
+    limits = {"shipped": 1.5, "async": 1.2}
+    limit = next((v for k, v in limits.items() if name.startswith(k)), None)
+    return slowest_over_median <= limit if limit is not None else None
 
 
 def check_step_cost(args: argparse.Namespace) -> Result:
     """Each of :func:`step_cost_runs` in turn (one failing or timing out does not stop the rest; each launch's limit
-    cut to what is left of ``--budget``, none started when too little is left); their JSONs merged into this check's, with the table and the targets (K-FAC step <= 1.10x at GA 8; slowest step <= 1.2x
-    the median with async decompositions)."""
+    cut to what is left of ``--budget``, none started when too little is left); their JSONs merged into this check's,
+    with the table and the targets: issue 45's for the shipped method (its step <= 1.15x LAMB's at GA 8 in float32,
+    amortized at the cadence; its slowest step <= 1.5x the median), plain K-FAC's step <= 1.10x at GA 8, the slowest
+    step <= 1.2x the median with async decompositions."""
     runs: Result = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -361,8 +402,8 @@ def check_step_cost(args: argparse.Namespace) -> Result:
             targets[f"{name} GA{c['ga']}"] = {
                 "ratio": c["ratio"]["mean"],
                 "slowest_over_median": kfac["slowest_ms"] / kfac["median_ms"],
-                "meets": c["ratio"]["mean"] <= 1.10 if c["ga"] == 8 and "eigenbasis" not in name else None,
-                "meets_slowest": kfac["slowest_ms"] / kfac["median_ms"] <= 1.2 if name.startswith("async") else None,
+                "meets": _ratio_target(name, c["ga"], c["ratio"]["mean"]),
+                "meets_slowest": _slowest_target(name, kfac["slowest_ms"] / kfac["median_ms"]),
             }
     return {
         "passed": len(done) == len(runs),

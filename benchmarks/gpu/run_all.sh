@@ -55,7 +55,7 @@ case $PART in
     ;;
   3)  # the second call of the first lease: lamb beside step-cost's runs that had not run (none of lamb is timed)
     { check 150 lamb --arch-list unset; check 60 lamb --arch-list device; } &
-    check 240 step-cost --timeout 80 --budget 150 --only async_ga8 inverse_ga8 inverse_10_100_ga8 eigenbasis_ga8
+    check 240 step-cost --timeout 80 --budget 150 --only async_ga8 inverse_ga8 inverse_10_100_ga8 exact_unspread_ga8
     wait
     ;;
   2)

@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
@@ -100,18 +101,22 @@ class BasisSolver:
     mode: Literal["subspace", "eigh", "exact"] = "eigh"
     rounding: float = 0.0
     max_drift: float = 0.5
+    counts: Counter = field(default_factory=Counter, compare=False, repr=False)
+    """This process's refreshes by how they were computed (``"full"``, ``"subspace"``), for the metrics."""
 
     def __call__(self, factor: torch.Tensor, dtype: torch.dtype, previous: Optional[State]) -> Optional[State]:
         """``(Q, v)`` of ``factor`` in ``dtype`` (``previous``: the side's current state, or ``None``); ``None``
         if LAPACK fails in float64 too."""
-        if self.mode == "exact":
-            return with_fallback(lambda m: canonical_eigh(m, self.rounding), factor, dtype)
         if self.mode == "subspace" and previous is not None:
             # One memory layout whatever the basis' history (LAPACK's column-major result, a broadcast's or a
             # checkpoint's row-major copy), so the matmul, and a resumed run, give the same bits.
             warm = self._warm(factor.to(dtype).contiguous(), previous[0].to(dtype).contiguous())
             if warm is not None:
+                self.counts["subspace"] += 1
                 return warm
+        self.counts["full"] += 1
+        if self.mode == "exact":
+            return with_fallback(lambda m: canonical_eigh(m, self.rounding), factor, dtype)
         return with_fallback(eigh, factor, dtype)
 
     def _warm(self, matrix: torch.Tensor, basis: torch.Tensor) -> Optional[State]:

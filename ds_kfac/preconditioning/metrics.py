@@ -61,7 +61,9 @@ class Reporting:
     def metrics(self) -> dict[str, float]:
         """K-FAC's scalars by name, for a training log: ``kfac/steps``, ``kfac/nu`` (with ``kl_clip``),
         ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`), the curvature
-        options (:meth:`option_metrics`) and, with adaptive refresh, ``kfac/interval/<layer>.<A/G>``. DeepSpeed's
+        options (:meth:`option_metrics`), ``kfac/refresh/full`` and ``kfac/refresh/subspace`` (the sides this process
+        decomposed in full or updated by a subspace step, ``basis_update``) and, with adaptive refresh,
+        ``kfac/interval/<layer>.<A/G>``. DeepSpeed's
         monitor and ``ds_kfac.hf.KFACTrainer`` both write these."""
         metrics = {"kfac/steps": float(self.steps), **self.option_metrics()}
         if self.last_nu is not None:
@@ -70,6 +72,9 @@ class Reporting:
         metrics.update({f"kfac/count/{name}": float(n) for name, n in self.counters.items()})
         if self.refresh is not None:
             metrics.update({f"kfac/interval/{key}": float(n) for key, n in self.refresh.intervals().items()})
+        solvers = {id(s): s for b in self.blocks if (s := getattr(b.method, "solver", None)) is not None}
+        for how in ("full", "subspace"):  # this process's refreshes by how they were computed (basis_update)
+            metrics[f"kfac/refresh/{how}"] = float(sum(s.counts[how] for s in solvers.values()))
         return metrics
 
     def option_metrics(self) -> dict[str, float]:
