@@ -110,6 +110,8 @@ Output (``--out FILE.json``, a PNG beside it, and the Markdown table on stdout):
        "floor": {"flops_per_step": {"forward_backward", "factors", "precondition", "decompose"}, "ratio",
                  "overhead_vs_floor", "phases": {"factors" | "precondition" | "decompose":
                  {"floor_ms", "measured_ms", "measured_phases", "times_floor"}}},
+       "refreshes": [per rank: {"full", "subspace"}: the sides it decomposed in full or by a subspace step, warm-up
+                     and untimed steps included],
        "memory": {"kfac_state_bytes": [per rank: {category: bytes}] (after the last step),
                   "kfac_state_bytes_in_step": [per rank] (during a factor step, statistics held), "model_param_bytes",
                   "peak_rss_bytes": {"base_only": [per rank], "with_kfac": [per rank]}}}]}
@@ -638,8 +640,10 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             break
     registered = kfac.layer_names
     layers = count_layers(model, pool[0], workload.forward, kfac.config.conv_factors)
+    metrics = kfac.metrics()
     return {
         "records": records,
+        "refreshes": {how: int(metrics[f"kfac/refresh/{how}"]) for how in ("full", "subspace")},
         "layers": {"registered": registered, "skipped": [s.name for s in kfac.skipped_layers]},
         "flops": flops_per_step(
             layers,
@@ -772,6 +776,7 @@ def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str
             "at_recipe_cadence": None if recipe is None else recipe / arms["base"]["mean_ms"],
         },
         "floor": floor_summary(ranks[0]["flops"], arms["base"]["mean_ms"], arms["kfac"]["phases_ms"], ratio),
+        "refreshes": [r["refreshes"] for r in ranks],
         "memory": {
             "kfac_state_bytes": [m["kfac_state_bytes"] for m in memory],
             "kfac_state_bytes_in_step": [m["kfac_state_bytes_in_step"] for m in memory],

@@ -33,6 +33,7 @@ SCHEMA = {
         "arms",
         "ratio",
         "floor",
+        "refreshes",
         "memory",
     },
     "arm": {"mean_ms", "median_ms", "slowest_ms", "coverage", "phases_ms", "classes", "step_ms"},
@@ -139,6 +140,9 @@ def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
         at_recipe = sc.amortized_ms(kfac["classes"], c["ratio"]["recipe_cadence"], measured_inv)
         at_recipe /= c["arms"]["base"]["mean_ms"]
         assert c["ratio"]["at_recipe_cadence"] == pytest.approx(at_recipe)
+        # Every rank decomposed its sides in full at step 0; later refreshes took the default subspace step.
+        assert len(c["refreshes"]) == world and all(r["full"] > 0 for r in c["refreshes"])
+        assert sum(r["subspace"] for r in c["refreshes"]) > 0
         floor = c["floor"]
         assert set(floor) == SCHEMA["floor"] and floor["ratio"] > 1
         # The measured overhead in units of the floor's, from the recorded means (its sign is timing noise: at smoke
