@@ -82,6 +82,13 @@ def refuse_unsupported(
     autotp = cfg.tensor_parallel_config.autotp_size
     if autotp > 1:
         problems.append(f"tensor_parallel.autotp_size={autotp} (AutoTP tensor parallelism; supported: 0, 1)")
+    if cfg.torch_autocast_enabled:
+        problems.append(
+            "torch_autocast.enabled=true (K-FAC's hooks would collect A and G in the autocast dtype and, in fp16, "
+            "from gradients scaled by a torch.amp.GradScaler whose scale K-FAC does not take out, and DeepSpeed "
+            "would unscale_ them after K-FAC's step when gradient_clipping() > 0, as with eigenbasis_moments; "
+            'use the "bf16" or "fp16" section)'
+        )
     if cfg.hybrid_engine.enabled:
         problems.append("hybrid_engine.enabled=true (DeepSpeedHybridEngine, RLHF generation)")
     if problems:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+from deepspeed.runtime.torch_autocast import is_autocast_initialized
 from packaging.requirements import Requirement
 from workers import problem
 
@@ -210,6 +211,26 @@ def test_tensor_parallelism_and_hybrid_engine_refused(case: str, engines: list[A
             model=model, model_parameters=model.parameters(), config={**BASE, **section, "kfac": {}}, **kwargs
         )
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("kfac", [{}, {"eigenbasis_moments": True}], ids=["kfac", "eigenbasis_moments"])
+def test_torch_autocast_refused_naming_the_section(kfac: dict, engines: list[Any]) -> None:
+    """Issue 47, item 4: DeepSpeed's ``"torch_autocast"`` section enabled with K-FAC is refused at ``initialize``,
+    naming the section and why, before the engine marks autocast initialized (a process-wide flag); disabled, or
+    without the section, the engine is built."""
+    model = problem.make_model()
+    optimizer = {"type": "AdamW", "params": {"lr": 0.01}} if kfac else BASE["optimizer"]
+    config = {**BASE, "optimizer": optimizer, "kfac": kfac}
+    with pytest.raises(ds_kfac.KFACConfigError, match="K-FAC does not support yet: ") as error:
+        ds_kfac.initialize(
+            model=model, model_parameters=model.parameters(), config={**config, "torch_autocast": {"enabled": True}}
+        )
+    assert "torch_autocast.enabled=true (K-FAC's hooks would collect A and G in the autocast dtype" in str(error.value)
+    assert not is_autocast_initialized()
+    for section in ({"torch_autocast": {"enabled": False}}, {}):
+        engine, *_ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config={**config, **section})
+        engines.append(engine)
+        assert not engine.torch_autocast_enabled()
 
 
 PIPELINE_REFUSED = {
