@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from ds_kfac.optimizers import build_client_optimizer
-from ds_kfac.optimizers.client import STEP_KEY
+from ds_kfac.optimizers.client import STEP_KEY, pop_client_optimizer
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -117,6 +118,36 @@ def test_client_optimizer_section_errors_name_the_problem() -> None:
         build_client_optimizer({"class": "torch.nn.Linear"}, params, seed=0)
     with pytest.raises(ValueError, match="'class' and 'params'"):
         build_client_optimizer({"class": "torch.optim.SGD", "lr": 0.1}, params, seed=0)
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"class": "torch.optim.NoSuchOptimizer"}, "'torch.optim.NoSuchOptimizer': module 'torch.optim' has no"),
+        ({"class": "torch.optim.SGD", "params": {"lr": 0.1, "momentun": 0.9}}, "unknown keys ['momentun']"),
+        ({"class": "pytorch_optimizer.SOAP", "params": {"learning_rate": 0.1}}, "unknown keys ['learning_rate']"),
+        ({"class": "torch.optim.SGD", "params": [0.1]}, "must be a JSON object of keyword arguments, got [0.1]"),
+    ],
+    ids=["no_such_class", "unknown_param", "swallowed_param", "params_not_object"],
+)
+def test_client_optimizer_hostile_sections_are_refused(section: dict, message: str) -> None:
+    """Issue 47, item 1: a class the module lacks, or params its constructor does not name, are refused naming
+    them; SOAP's and Kron's ``**kwargs`` would take a misspelt key and train with the default."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_client_optimizer(section, torch.nn.Linear(2, 2).parameters(), seed=0)
+
+
+def test_client_optimizer_with_a_json_optimizer_is_refused() -> None:
+    """Issue 47, item 1: with an ``"optimizer"`` section too, DeepSpeed would train with the client optimizer and
+    ignore the JSON one without a word; alone, the section is built and taken out of the config."""
+    section = {"class": "torch.optim.SGD", "params": {"lr": 0.1}}
+    both = {"client_optimizer": section, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    with pytest.raises(ValueError, match="both a 'client_optimizer' section .* and an \"optimizer\" section"):
+        pop_client_optimizer(both, torch.nn.Linear(2, 2).parameters(), seed=0)
+    alone = {"client_optimizer": section, "train_batch_size": 2}
+    assert isinstance(pop_client_optimizer(alone, torch.nn.Linear(2, 2).parameters(), seed=0), torch.optim.SGD)
+    assert alone == {"train_batch_size": 2}
+    assert pop_client_optimizer(alone, torch.nn.Linear(2, 2).parameters(), seed=0) is None
 
 
 def test_run_rotates_the_arms_per_seed_and_saves_the_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ steps its own replica, and different draws would let the replicas drift apart wi
 from __future__ import annotations
 
 import importlib
+import inspect
 import random
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -30,10 +31,29 @@ def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ImportError(f"{SECTION}.class {path!r}: cannot import {module_name!r} ({error})") from error
-    cls = getattr(module, name, None)
+    if not hasattr(module, name):
+        raise ValueError(f"{SECTION}.class {path!r}: module {module_name!r} has no {name!r}")
+    cls = getattr(module, name)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"{SECTION}.class {path!r} is not a torch.optim.Optimizer subclass")
     return cls
+
+
+def checked_params(cls: type[torch.optim.Optimizer], params: Any) -> dict[str, Any]:
+    """``params`` if each key is a named parameter of ``cls``'s constructor, else refused naming the keys: a class
+    taking ``**kwargs`` (pytorch_optimizer's SOAP and Kron) would accept a misspelt one and ignore it."""
+    where = f"{SECTION}.params for {cls.__module__}.{cls.__qualname__}"
+    if not isinstance(params, dict):
+        raise ValueError(f"{where} must be a JSON object of keyword arguments, got {params!r}")
+    named = [
+        p.name
+        for p in list(inspect.signature(cls).parameters.values())[1:]  # after the parameters to optimize
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    unknown = sorted(set(params) - set(named))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown} (its constructor takes {named})")
+    return params
 
 
 def build_client_optimizer(section: dict[str, Any], params: Iterable[Any], seed: int) -> torch.optim.Optimizer:
@@ -41,9 +61,25 @@ def build_client_optimizer(section: dict[str, Any], params: Iterable[Any], seed:
     unknown = set(section) - {"class", "params"}
     if "class" not in section or unknown:
         raise ValueError(f"{SECTION} takes 'class' and 'params' (got keys {sorted(section)})")
-    optimizer = optimizer_class(section["class"])(params, **section.get("params", {}))
+    cls = optimizer_class(section["class"])
+    optimizer = cls(params, **checked_params(cls, section.get("params", {})))
     same_random_on_every_rank(optimizer, seed)
     return optimizer
+
+
+def pop_client_optimizer(config: dict[str, Any], params: Iterable[Any], seed: int) -> Optional[torch.optim.Optimizer]:
+    """The optimizer of ``config``'s :data:`SECTION`, taken out of ``config`` (``None`` without one); refused
+    with a JSON ``"optimizer"`` too, which DeepSpeed would ignore without a word for the client optimizer."""
+    section = config.pop(SECTION, None)
+    if section is None:
+        return None
+    if "optimizer" in config:
+        raise ValueError(
+            f'the config has both a {SECTION!r} section ({section.get("class")!r}) and an "optimizer" section '
+            f"(type {config['optimizer'].get('type')!r}); DeepSpeed would train with the first and ignore the "
+            f"second: keep one"
+        )
+    return build_client_optimizer(section, params, seed)
 
 
 def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> None:

@@ -31,7 +31,8 @@ learning-rate schedule is compressed (``WarmupDecayLR``'s ``total_num_steps``)
 also says how long it runs. ``--steps`` and ``--epochs`` override it. A
 ``"client_optimizer"`` section (``{"class": "pytorch_optimizer.SOAP", "params":
 {...}}``) replaces the ``"optimizer"`` section with any ``torch.optim.Optimizer``
-(:func:`ds_kfac.optimizers.build_client_optimizer`), passed to ``ds_kfac.initialize``.
+(:func:`ds_kfac.optimizers.client.pop_client_optimizer`; both sections are refused), passed to
+``ds_kfac.initialize``.
 
 Every run writes ``<output-dir>/<run-name>/metrics.csv``: per step the
 training seconds (evaluation is not timed), loss and learning rate, and the
@@ -226,10 +227,7 @@ def main() -> None:
         raise ValueError(
             f"{args.deepspeed_config}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)"
         )
-    client = config.pop(ds_kfac.optimizers.client.SECTION, None)
-    optimizer = (
-        None if client is None else ds_kfac.optimizers.build_client_optimizer(client, model.parameters(), args.seed)
-    )
+    optimizer = ds_kfac.optimizers.client.pop_client_optimizer(config, model.parameters(), args.seed)
     engine, _, _, _ = ds_kfac.initialize(
         model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config
     )
