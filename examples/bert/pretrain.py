@@ -19,7 +19,8 @@ when none is given). The learning rate follows NVIDIA's recipe:
 linear warm-up, then ``(1 - progress) ** poly_power`` decay. A
 ``"client_optimizer"`` section (``{"class": "pytorch_optimizer.SOAP", "params":
 {...}}``) replaces the ``"optimizer"`` section with any ``torch.optim.Optimizer``
-(:func:`ds_kfac.optimizers.build_client_optimizer`), passed to ``ds_kfac.initialize``.
+(:func:`ds_kfac.optimizers.client.pop_client_optimizer`; both sections are refused), passed to
+``ds_kfac.initialize``.
 
 Data: ``--text-dir`` (plain-text files), ``--hf-dataset`` (a ``datasets``
 dataset saved with ``save_to_disk``), or by default an embedded corpus, so the
@@ -249,11 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    client = config.pop(ds_kfac.optimizers.client.SECTION, None)
     engine, _, _, _ = ds_kfac.initialize(
         model=model,
         model_parameters=groups,
-        optimizer=None if client is None else ds_kfac.optimizers.build_client_optimizer(client, groups, args.seed),
+        optimizer=ds_kfac.optimizers.client.pop_client_optimizer(config, groups, args.seed),
         lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule),
         config=config,
     )
