@@ -281,12 +281,20 @@ MUON_ZERO2 = {
         ([], {**BERT_TINY, "kfac": {"damping": -1}}, "kfac.damping"),
         ([], {**BERT_TINY, "bert": {}}, "--model is required"),
         ([], {**BERT_TINY, **MUON_ZERO2}, "optimizer type 'Muon' steps the model's own matrices"),
+        (["--world", "0"], BERT_TINY, "--world must be a positive number of data-parallel ranks, got 0"),
+        (["--world", "-2"], BERT_TINY, "--world must be a positive number of data-parallel ranks, got -2"),
+        ([], "not JSON", "cannot read the DeepSpeed config"),
     ],
-    ids=["preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "batch", "kfac_key", "no_model", "muon"],
+    ids=[
+        *("preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "batch", "kfac_key", "no_model"),
+        *("muon", "world_0", "world_negative", "not_json"),
+    ],
 )
 def test_bad_input_is_named(tmp_path: Path, args: list[str], config: dict, message: str) -> None:
+    """A message naming the input and the value, exit status 1 (``SystemExit`` with a string), no traceback."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
     argv = ["--deepspeed_config", str(path), "--world", "4", *args]  # a second --world wins
-    with pytest.raises(SystemExit, match=re.escape(message)):
+    with pytest.raises(SystemExit, match=re.escape(message)) as error:
         main(argv)
+    assert isinstance(error.value.code, str) and error.value.code.startswith("python -m ds_kfac.plan: ")
