@@ -5,6 +5,7 @@ in the parameter basis, checkpoints, what is collected, and the refusals."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import reference as ref
@@ -12,8 +13,10 @@ import torch
 from test_conventions import loss_fn
 from test_eigenbasis_moments import BETAS, EPS, FLOAT64, LR, TOL, _apply, _direction, _matrix, _optimizer
 from torch import nn
+from workers import problem
 from workers.problem import IN, OUT, TiedModel
 
+import ds_kfac
 from ds_kfac import KFACConfig, KFACConfigError, KFACPreconditioner, preconditioned_parameters
 from ds_kfac.curvature import KFACBlock, OneSidedBlock
 from ds_kfac.optimizers import Adam, split_groups
@@ -192,6 +195,40 @@ def test_tied_layers_skipped_by_default_and_doubly_registered_never() -> None:
     assert [b.name for b in kfac.blocks] == ["4"]
 
 
+def test_max_dim_below_every_side_registers_nothing_and_says_why(engines: list) -> None:
+    """Issue 47, item 1: ``eigenbasis_max_dim`` below both sides of every layer skips them all; ``initialize``
+    warns that K-FAC registered no layer, naming each with the value, and the model trains with the JSON AdamW
+    alone (``torch.optim.AdamW``) (docs/faults.md)."""
+    model = problem.make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},  # no DeepSpeed op to build
+        "kfac": {"eigenbasis_moments": True, "eigenbasis_max_dim": 1},
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engines.append(engine)
+    assert engine.kfac.blocks == []
+    (message,) = [str(w.message) for w in caught if "registered no layer" in str(w.message)]
+    assert all(f"'{name}': Linear(" in message for name in ("0", "2", "4"))
+    assert message.count("both sides exceed eigenbasis_max_dim=1") == 3
+
+
+def test_tied_key_on_a_model_without_tied_weights_says_it_changes_nothing() -> None:
+    """Issue 47, item 1: ``tied_layers: "precondition"`` where no registered layer shares a parameter (weights tied
+    after K-FAC attached, or never) warns that the key changes nothing; on a tied model it does not."""
+    untied = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    keys = {"tied_layers": "precondition"}
+    with pytest.warns(UserWarning, match='tied_layers: "precondition" changes nothing'):
+        KFACPreconditioner(untied, optimizer=_flagged(untied, keys), eigenbasis_moments=True, **keys)
+    tied = TiedModel().double()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        KFACPreconditioner(tied, optimizer=_flagged(tied, keys), eigenbasis_moments=True, **keys)
+    assert not [w for w in caught if "changes nothing" in str(w.message)]
+
+
 def _flagged(model: nn.Module, keys: dict) -> torch.optim.Optimizer:
     """ds_kfac's AdamW with the parameters of the layers ``keys`` registers in flagged groups."""
     layers = preconditioned_parameters(model, KFACConfig.parse({"eigenbasis_moments": True, **keys}))
@@ -204,6 +241,8 @@ def _flagged(model: nn.Module, keys: dict) -> torch.optim.Optimizer:
         ({"eigenbasis_max_dim": 8}, "eigenbasis_max_dim"),
         ({"tied_layers": "precondition"}, "tied_layers"),
         ({"eigenbasis_moments": True, "eigenbasis_max_dim": 0}, "eigenbasis_max_dim"),
+        ({"eigenbasis_moments": True, "eigenbasis_max_dim": -3}, r"eigenbasis_max_dim.*\(got -3\)"),
+        ({"eigenbasis_moments": True, "eigenbasis_max_dim": 2.5}, r"eigenbasis_max_dim.*\(got 2.5\)"),
         ({"eigenbasis_moments": True, "tied_layers": "yes"}, "tied_layers"),
     ],
 )

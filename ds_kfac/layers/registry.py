@@ -109,6 +109,7 @@ def find_layers(
     layers: list[tuple[str, LayerAdapter]] = []
     skipped: list[SkippedLayer] = []
     tied_skips: list[SkippedLayer] = []
+    tied_found = False  # a registered layer sharing a parameter: with ``tied``, what the key changes
     for name, module in model.named_modules():
         adapter_cls = adapter_for(module)
         if adapter_cls is None and batchnorm and isinstance(module, BATCHNORMS) and module.affine:
@@ -133,7 +134,9 @@ def find_layers(
                 SkippedLayer(name, FROZEN_WEIGHT if adapter.has_bias else "frozen (no parameter requires grad)")
             )
         elif not (kept := kept_sides(adapter, one_sided_dim)):
-            skipped.append(SkippedLayer(name, f"{adapter.describe()}: both sides exceed eigenbasis_max_dim"))
+            skipped.append(
+                SkippedLayer(name, f"{adapter.describe()}: both sides exceed eigenbasis_max_dim={one_sided_dim}")
+            )
         elif max(kept.values()) > max_factor_dim:
             skipped.append(SkippedLayer(name, f"{adapter.describe()} exceeds max_factor_dim={max_factor_dim}"))
         elif (shared := _shared(name, module, adapter.params(), owners)) and not tied:
@@ -141,12 +144,20 @@ def find_layers(
             skipped.append(tied_skips[-1])
         else:
             layers.append((name, adapter))
+            tied_found = tied_found or bool(shared)
     if tied:
         layers = _without_doubly_registered(layers, skipped, tied_skips)
     for s in skipped:
         logger.info("K-FAC skips %s: %s", s.name, s.reason)
     if warn:
         _warn(model, layers, skipped, tied_skips)
+        if tied and layers and not tied_found:
+            warnings.warn(
+                'tied_layers: "precondition" changes nothing: no layer K-FAC registers shares a parameter with '
+                "another module (were the weights tied after K-FAC was attached?)",
+                UserWarning,
+                stacklevel=3,
+            )
         _warn_unregistered(model, patterns, batchnorm)
     return layers, skipped
 
