@@ -182,8 +182,8 @@ def test_one_sided_state_resumes_bitwise() -> None:
 
 
 def test_tied_layers_skipped_by_default_and_doubly_registered_never() -> None:
-    """Without the key a tied layer is skipped with a warning; with it, two registered layers sharing a weight are
-    both skipped (each would precondition the same gradient)."""
+    """Without the key a tied layer is skipped with a warning; with it, two (or three) registered layers sharing a
+    weight are all skipped (each would precondition the same gradient)."""
     model = TiedModel().double()
     with pytest.warns(UserWarning, match="tied"):
         kfac = KFACPreconditioner(model, optimizer=_flagged(model, {}), eigenbasis_moments=True)
@@ -193,6 +193,11 @@ def test_tied_layers_skipped_by_default_and_doubly_registered_never() -> None:
     with pytest.warns(UserWarning, match="registered layer"):
         kfac = KFACPreconditioner(shared, optimizer=_flagged(shared, KEYS), eigenbasis_moments=True, **KEYS)
     assert [b.name for b in kfac.blocks] == ["4"]
+    three = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(4, 4), nn.Tanh())), nn.Linear(4, 2)).double()
+    three[2].weight = three[4].weight = three[0].weight  # tied three ways: each of the three is skipped
+    with pytest.warns(UserWarning, match=r"'4' \(tied: a parameter is also that of registered layer\(s\) \['0', '2'\]"):
+        kfac = KFACPreconditioner(three, optimizer=_flagged(three, KEYS), eigenbasis_moments=True, **KEYS)
+    assert [b.name for b in kfac.blocks] == ["6"]
 
 
 def test_max_dim_below_every_side_registers_nothing_and_says_why(engines: list) -> None:
