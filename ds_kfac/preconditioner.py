@@ -3,33 +3,27 @@
 One optimizer step is a pipeline of named stages, run top to bottom by
 :meth:`KFACPreconditioner.precondition_gradients`:
 
-1. **collect** (:class:`~ds_kfac.collection.FactorCollector`'s module hooks,
-   during forward/backward of every micro-batch of a factor-update step): each
-   registered layer adds its micro-batch factors ``A`` and ``G`` to its
+1. **collect** (:class:`~ds_kfac.collection.FactorCollector`'s module hooks, during forward/backward of every
+   micro-batch of a factor-update step): each registered layer adds its micro-batch factors ``A`` and ``G`` to its
    accumulators, counting a forward call only once its output gets a backward;
-2. **reduce** (factor-update steps): the ranks agree on which layers gathered
-   factors, and the step's factors are averaged over data-parallel ranks in
-   bucketed collectives (:mod:`ds_kfac.placement.factors`) and folded into the
-   running averages;
-3. **decompose** (as :class:`~ds_kfac.preconditioning.DecompositionSchedule`
-   says: a fixed cadence, adaptive refresh, or in the background):
-   eigendecompositions or damped inverses of the factors, shared with the ranks
-   that precondition the layer;
-4. **gather gradients**: each layer whose reduced gradient this rank holds
-   becomes a :class:`~ds_kfac.placement.LayerWork`, with its whole gradient
-   matrix ``g`` where this rank preconditions it;
+2. **reduce** (factor-update steps): the ranks agree on which layers gathered factors, and the step's factors are
+   averaged over data-parallel ranks in bucketed collectives (:mod:`ds_kfac.placement.factors`) and folded into
+   the running averages;
+3. **decompose** (as :class:`~ds_kfac.preconditioning.DecompositionSchedule` says: a fixed cadence, spread over
+   the cycle, adaptive, or in the background): eigenbases (:class:`~ds_kfac.curvature.BasisSolver`) or damped
+   inverses of the factors, shared with the ranks that precondition the layer;
+4. **gather gradients**: each layer whose reduced gradient this rank holds becomes a
+   :class:`~ds_kfac.placement.LayerWork`, with its whole gradient matrix ``g`` where this rank preconditions it;
 5. **precondition**: ``g`` becomes ``P(g)`` (with ``eigenbasis_moments``, the base optimizer's normalised
    direction from moments kept in the eigenbasis, :mod:`ds_kfac.curvature.moments`);
-6. **clip**: every ``P(g)`` is scaled by the KL-clip factor ``nu``
-   (:mod:`ds_kfac.placement.kl_clip`);
-7. **share**: gradient workers broadcast their results to the ranks that hold
-   the gradient but do not precondition it (not under ZeRO's partitions);
+6. **clip**: every ``P(g)`` is scaled by the KL-clip factor ``nu`` (:mod:`ds_kfac.placement.kl_clip`);
+7. **share**: gradient workers broadcast their results to the ranks that hold the gradient but do not precondition
+   it (not under ZeRO's partitions);
 8. **write**: the results go back where the gradients lie, for the base optimizer.
 
-Communication is the placement's and comm's (:mod:`ds_kfac.placement`); this
-module issues no collective itself. The conventions (factor scaling, averaging,
-step counting) are the public contract documented in ``docs/conventions.md``
-and pinned by ``tests/``.
+Communication is the placement's and comm's (:mod:`ds_kfac.placement`); this module issues no collective itself.
+The conventions (factor scaling, averaging, step counting) are the public contract documented in
+``docs/conventions.md`` and pinned by ``tests/``.
 """
 
 from __future__ import annotations
@@ -221,8 +215,7 @@ class KFACPreconditioner(SampledFisher, Reporting):
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> None:
-        """Update curvature as scheduled and precondition every registered layer's gradient in place
-        (where :attr:`layout` says the reduced gradients lie)."""
+        """Update curvature as scheduled; precondition every registered layer's gradient in place (:attr:`layout`)."""
         snap = self.snapshot()
         if self.precondition_gradients():
             if self.finite_gradients:
@@ -299,8 +292,8 @@ class KFACPreconditioner(SampledFisher, Reporting):
             self.health.unanswered_forwards(unanswered)
 
     def _no_backward(self) -> bool:
-        """A step that no registered layer's backward preceded: refuse a model whose hooks never ran although
-        its layers have gradients (a compiled graph built without them); otherwise skip it with a warning."""
+        """A step no registered layer's backward preceded: refused where the hooks never ran although the layers
+        have gradients (a compiled graph built without them); else skipped with a warning."""
         if not self.collector.ever_fired and self.layout.has_gradients(self.blocks):
             raise RuntimeError(
                 f"K-FAC's module hooks have never run, yet its layers {self.layer_names} have gradients: the model "
@@ -334,20 +327,19 @@ class KFACPreconditioner(SampledFisher, Reporting):
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> Optional[dict[str, Any]]:
-        """All K-FAC state, world-size and placement independent (whole factors and decompositions
-        per layer, CPU tensors), on rank 0 of the process group, the rank that saves; ``None`` on the
-        other ranks, which receive nothing. Each piece is sent once, by one rank holding it.
-        Collective: call it on every rank (as ``engine.save_checkpoint`` does)."""
+        """All K-FAC state, world-size and placement independent (whole factors and decompositions per layer, CPU
+        tensors), on rank 0 of the process group, the rank that saves; ``None`` on the other ranks, which receive
+        nothing. Each piece is sent once, by one rank holding it. Collective: call it on every rank."""
         return checkpoint_io.state_dict(self)
 
     def check_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> CheckedState:
-        """Check a :meth:`state_dict` against this preconditioner, changing nothing: one ``ValueError``
-        names every problem (see :mod:`ds_kfac.checkpoint`). :meth:`load_state_dict` takes the result."""
+        """Check a :meth:`state_dict` against this preconditioner, changing nothing: one ``ValueError`` names every
+        problem (:mod:`ds_kfac.checkpoint`). :meth:`load_state_dict` takes the result."""
         return checkpoint_io.check_state_dict(self, state)
 
     def load_state_dict(self, state: Union[dict[str, Any], CheckedState]) -> None:
-        """Restore :meth:`state_dict`. The whole state is checked first (:meth:`check_state_dict`, not
-        again for a state already checked here), and nothing changes unless all of it is valid."""
+        """Restore :meth:`state_dict`, checked first (:meth:`check_state_dict`, not again for a state already
+        checked here): nothing changes unless all of it is valid."""
         checkpoint_io.load_state_dict(self, state)
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ CHANGED = [
     "ds_kfac/optimizers/common.py",  # imported by lamb.py
     "ds_kfac/optimizers/eigenbasis.py",  # imported by lamb.py and resolve.py
     "ds_kfac/optimizers/adam.py",  # imported by resolve.py
+    "ds_kfac/integration/cuda_ops.py",  # imported by resolve.py (the arch list of a FusedLamb build)
     "ds_kfac/integration/initialize.py",
     "ds_kfac/integration/optimizer_setup.py",
     "examples/bert/pretrain.py",

@@ -1,17 +1,16 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
 from .background import Background
+from .basis import BasisSolver, solver_for
 from .block import CurvatureBlock, KFACBlock, blocks_device
 from .correction import EigenvalueCorrection
 from .decomposition import (
     METHODS,
-    BasisSolver,
     Decomposition,
     EigenDecomposition,
     EigenOuterDecomposition,
     InverseDecomposition,
     method_for,
-    solver_for,
 )
 from .factors import KroneckerFactor, RunningAverage
 from .fisher import FisherLoss, sampled_loss

@@ -19,8 +19,9 @@ from typing import Any, Literal, Optional
 import torch
 
 from ..layers.base import LayerAdapter
+from .basis import BasisSolver, Previous
 from .block import CurvatureBlock
-from .decomposition import BasisSolver, Decomposition, Previous, Shape, State
+from .decomposition import Decomposition, Shape, State
 from .factors import KroneckerFactor, RunningAverage
 from .moments import EigenbasisMoments
 

@@ -20,4 +20,8 @@ __all__ = [
     "GROUP_KEY",
     "Lamb",
     "build_client_optimizer",
-    "build_optimizer", "moment_settings", "resolve_lamb", "split_groups"]
+    "build_optimizer",
+    "moment_settings",
+    "resolve_lamb",
+    "split_groups",
+]

@@ -1,0 +1,75 @@
+"""How a refresh computes an eigen method's basis and eigenvalues (``basis_update``): :class:`BasisSolver`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Optional
+
+import torch
+
+from .numerics import basis_drift, canonical_eigh, eigh, subspace_step, with_fallback
+
+if TYPE_CHECKING:
+    from ..config import KFACConfig
+
+State = tuple[torch.Tensor, ...]
+Previous = tuple[Optional[State], Optional[State]]
+"""A layer's current ``A`` and ``G`` sides (``None`` where it has none yet): where a refresh may start from."""
+
+
+@dataclass(frozen=True)
+class BasisSolver:
+    """How a refresh computes a factor's eigenbasis and eigenvalues ``(Q, v)`` (``basis_update``).
+
+    * ``"subspace"``: a full :func:`~.numerics.eigh` the first time; afterwards one step of subspace iteration
+      from the previous basis (``F Q_old`` orthonormalised by a QR, :func:`~.numerics.subspace_step`; eigenvalues
+      from its Rayleigh quotients), or a full ``eigh`` where the previous basis has drifted,
+      ``||offdiag(Q_old^T F Q_old)||_F > max_drift ||F||_F`` (:func:`~.numerics.basis_drift`: one host sync per
+      factor, at refreshes only). A matmul and a QR instead of an eigendecomposition: SOAP's and Distributed
+      Shampoo's warm-started update. Deterministic given the previous basis, which the layer's decomposing rank
+      holds (and a checkpoint keeps), so ranks agree and a resumed run refreshes as an uninterrupted one.
+    * ``"eigh"``: a full ``eigh`` in the decomposition's dtype every time.
+    * ``"exact"``: :func:`~.numerics.canonical_eigh` every time: float64, bases canonical inside clusters of equal
+      eigenvalues (``rounding``: the factors' unit roundoff), so a reduction order's rounding cannot pick the
+      basis; with ``eigenbasis_moments`` the preconditioning also flushes rotated entries within rounding of 0
+      (:func:`~.moments.eigenbasis_directions`). For bit-level agreement of placements and world sizes.
+    """
+
+    mode: Literal["subspace", "eigh", "exact"] = "eigh"
+    rounding: float = 0.0
+    max_drift: float = 0.5
+    counts: Counter = field(default_factory=Counter, compare=False, repr=False)
+    """This process's refreshes by how they were computed (``"full"``, ``"subspace"``), for the metrics."""
+
+    def __call__(self, factor: torch.Tensor, dtype: torch.dtype, previous: Optional[State]) -> Optional[State]:
+        """``(Q, v)`` of ``factor`` in ``dtype`` (``previous``: the side's current state, or ``None``); ``None``
+        if LAPACK fails in float64 too."""
+        if self.mode == "subspace" and previous is not None:
+            # One memory layout whatever the basis' history (LAPACK's column-major result, a broadcast's or a
+            # checkpoint's row-major copy), so the matmul, and a resumed run, give the same bits.
+            warm = self._warm(factor.to(dtype).contiguous(), previous[0].to(dtype).contiguous())
+            if warm is not None:
+                self.counts["subspace"] += 1
+                return warm
+        self.counts["full"] += 1
+        if self.mode == "exact":
+            return with_fallback(lambda m: canonical_eigh(m, self.rounding), factor, dtype)
+        return with_fallback(eigh, factor, dtype)
+
+    def _warm(self, matrix: torch.Tensor, basis: torch.Tensor) -> Optional[State]:
+        """One subspace step from ``basis``, or ``None`` where it drifted too far (or the result is not finite)."""
+        y, rayleigh, drift = basis_drift(matrix, basis)
+        if not bool(drift <= self.max_drift):  # a NaN drift too: the full eigh decides
+            return None
+        try:
+            return subspace_step(y, rayleigh)
+        except torch.linalg.LinAlgError:
+            return None
+
+
+def solver_for(config: KFACConfig) -> BasisSolver:
+    """The eigen methods' :class:`BasisSolver` for ``config`` (``basis_update``, ``basis_max_drift``; ``"exact"``
+    rounds at the coarser of the factor and decomposition dtypes)."""
+    rounding = max(torch.finfo(d).eps for d in (config.factor_torch_dtype, config.inv_torch_dtype))
+    return BasisSolver(config.basis_update, rounding, config.basis_max_drift)
