@@ -16,7 +16,7 @@ from typing import Union
 import torch
 
 from .factors import RunningAverage
-from .numerics import change_basis, compute_dtype
+from .numerics import basis_changes, change_basis, compute_dtype
 
 PER_EXAMPLE_ELEMENTS = 2**24
 """At most this many elements of per-example gradients (``examples x g_dim x a_dim``) exist at once: examples with
@@ -68,4 +68,4 @@ class EigenvalueCorrection(RunningAverage):
         if self.value is None:
             return
         s = self.value.to(torch.promote_types(compute_dtype(self.dtype), new[0].dtype))
-        self.value = change_basis(s, old, new, squared=True).to(self.dtype)
+        self.value = change_basis(s, basis_changes(old, new), squared=True).to(self.dtype)

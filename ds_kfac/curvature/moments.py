@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .numerics import Basis, change_basis
+from .numerics import Basis, basis_changes, change_basis
 
 FLUSH = 10.0
 """Rotated gradient entries within ``FLUSH`` unit roundoffs of their rounding bound are taken as 0
@@ -73,7 +73,8 @@ class EigenbasisMoments:
         if self.value is None:
             return
         m, v = self.value
-        self.value = (change_basis(m, old, new), change_basis(v, old, new, squared=True))
+        changes = basis_changes(old, new)
+        self.value = (change_basis(m, changes), change_basis(v, changes, squared=True))
 
 
 def step_moments(moments: Sequence[EigenbasisMoments], rotated: torch.Tensor, rule: MomentRule) -> torch.Tensor:

@@ -118,28 +118,40 @@ Basis = Optional[tuple[torch.Tensor, torch.Tensor]]
 """A layer's eigenbasis ``(Q_A, Q_G)``; ``None`` is the identity (no decomposition yet)."""
 
 
-def change_basis(x: torch.Tensor, old: Basis, new: Basis, squared: bool = False) -> torch.Tensor:
-    """``x`` (``d_G x d_A``) given in basis ``old``, in basis ``new``: ``C_G x C_A^T`` with ``C = Q_new^T Q_old``
-    per side. ``squared``: with ``C`` squared elementwise, ``(q_new_i . q_old_k)^2``, which carries a diagonal
-    second moment described in ``old`` to its diagonal in ``new``. A side whose basis is the same tensor in both
-    is left as it is (adaptive refresh renews one side at a time)."""
+Changes = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+"""Per side ``(A, G)``, ``C = Q_new^T Q_old``, or ``None`` for a side whose basis did not change."""
+
+
+def basis_changes(old: Basis, new: Basis) -> Changes:
+    """``C = Q_new^T Q_old`` of each side whose basis changed (one ``d^3`` matmul each; ``None`` for a side whose
+    basis is the same tensor in both: adaptive and spread refreshes renew one side at a time). Computed once for
+    everything a refresh moves (the moments' ``m`` and ``v``)."""
     (old_a, old_g), (new_a, new_g) = old or (None, None), new or (None, None)
-    if new_g is not old_g:
-        x = _change(new_g, old_g, squared).to(x.dtype) @ x
-    if new_a is not old_a:
-        x = x @ _change(new_a, old_a, squared).to(x.dtype).mT
+    return (
+        None if new_a is old_a else _change(new_a, old_a),
+        None if new_g is old_g else _change(new_g, old_g),
+    )
+
+
+def change_basis(x: torch.Tensor, changes: Changes, squared: bool = False) -> torch.Tensor:
+    """``x`` (``d_G x d_A``) given in the old basis of :func:`basis_changes`, in the new one: ``C_G x C_A^T``.
+    ``squared``: with ``C`` squared elementwise, ``(q_new_i . q_old_k)^2``, which carries a diagonal second moment
+    described in the old basis to its diagonal in the new."""
+    change_a, change_g = (c if c is None or not squared else c.square() for c in changes)
+    if change_g is not None:
+        x = change_g.to(x.dtype) @ x
+    if change_a is not None:
+        x = x @ change_a.to(x.dtype).mT
     return x
 
 
-def _change(new: Optional[torch.Tensor], old: Optional[torch.Tensor], squared: bool) -> torch.Tensor:
-    """``Q_new^T Q_old`` (squared elementwise if ``squared``), either basis ``None`` for the identity."""
+def _change(new: Optional[torch.Tensor], old: Optional[torch.Tensor]) -> torch.Tensor:
+    """``Q_new^T Q_old``, either basis ``None`` for the identity."""
     if old is None:
-        change = new.mT
-    elif new is None:
-        change = old
-    else:
-        change = new.mT @ old.to(new.dtype)
-    return change.square() if squared else change
+        return new.mT
+    if new is None:
+        return old
+    return new.mT @ old.to(new.dtype)
 
 
 def floor_damping(damping: torch.Tensor) -> torch.Tensor:
