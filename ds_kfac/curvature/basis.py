@@ -42,6 +42,12 @@ class BasisSolver:
     counts: Counter = field(default_factory=Counter, compare=False, repr=False)
     """This process's refreshes by how they were computed (``"full"``, ``"subspace"``), for the metrics."""
 
+    @property
+    def exact_rounding(self) -> Optional[float]:
+        """``rounding`` in the ``"exact"`` mode (canonical bases; with ``eigenbasis_moments`` rounding-level entries
+        flushed in the eigenbasis), ``None`` otherwise."""
+        return self.rounding if self.mode == "exact" else None
+
     def __call__(self, factor: torch.Tensor, dtype: torch.dtype, previous: Optional[State]) -> Optional[State]:
         """``(Q, v)`` of ``factor`` in ``dtype`` (``previous``: the side's current state, or ``None``); ``None``
         if LAPACK fails in float64 too."""

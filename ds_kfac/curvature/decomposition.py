@@ -152,7 +152,7 @@ class EigenDecomposition(Decomposition):
     def basis_rounding(self) -> Optional[float]:
         """In the ``"exact"`` mode, the unit roundoff of the factors (bases canonical inside clusters, rounding
         flushed in the eigenbasis); ``None`` otherwise."""
-        return self.solver.rounding if self.solver.mode == "exact" else None
+        return self.solver.exact_rounding
 
     def compute(
         self,

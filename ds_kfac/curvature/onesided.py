@@ -46,7 +46,7 @@ class OneSidedEigen(Decomposition):
     @property
     def basis_rounding(self) -> Optional[float]:
         """As :attr:`~.decomposition.EigenDecomposition.basis_rounding`."""
-        return self.solver.rounding if self.solver.mode == "exact" else None
+        return self.solver.exact_rounding
 
     def side_shapes(self, a_dim: int, g_dim: int) -> tuple[list[Shape], list[Shape]]:
         dim = a_dim if self.side == "A" else g_dim
