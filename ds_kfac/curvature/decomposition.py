@@ -145,8 +145,11 @@ class EigenDecomposition(Decomposition):
         _, va, _, vg = state
         return below_floor(va.mean(-1), vg.mean(-1))
 
-    solver = BasisSolver()
-    """How a refresh computes each side (``basis_update``)."""
+    def __init__(self, relative_damping: bool = False) -> None:
+        super().__init__(relative_damping)
+        self.solver = BasisSolver()
+        """How a refresh computes each side (``basis_update``; :func:`method_for` sets the config's); one per
+        instance, as it counts the refreshes it made."""
 
     @property
     def basis_rounding(self) -> Optional[float]:

@@ -111,11 +111,12 @@ def eigenbasis_directions(
     direction of :func:`step_moments`. A basis ``None`` is the identity (a one-sided block's other side). Two
     rotations (four batched matmuls) and the per-element rule: the rotations are the floor.
 
-    With ``rounding`` (``basis_update: "exact"``), a rotated entry ``r_ij`` with ``|r_ij| <= FLUSH rounding (|Q_G|^T |g| |Q_A|)_ij`` is taken as 0 (``rounding``:
-    the unit roundoff of the gradient, the factors and the rotation, the coarsest): it is within the rounding
-    error of ``g``'s sums and of the rotation, as the entries of a gradient along a factor's null space are (0 in
-    exact arithmetic), and Adam's division would scale that noise up to about ``noise / eps``, differently for
-    every reduction order (2 ranks against one process)."""
+    With ``rounding`` (``basis_update: "exact"``), a rotated entry ``r_ij`` with
+    ``|r_ij| <= FLUSH rounding (|Q_G|^T |g| |Q_A|)_ij`` is taken as 0 (``rounding``: the unit roundoff of the
+    gradient, the factors and the rotation, the coarsest): it is within the rounding error of ``g``'s sums and of
+    the rotation, as the entries of a gradient along a factor's null space are (0 in exact arithmetic), and Adam's
+    division would scale that noise up to about ``noise / eps``, differently for every reduction order (2 ranks
+    against one process)."""
     g = grads.to((qa if qa is not None else qg).dtype)
     rotated = _rotate(g, qa, qg, lambda q: q.mT)
     if rounding is not None:  # a third rotation, of magnitudes: the bound
