@@ -573,6 +573,26 @@ def run_cycle(
     return records
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``--dtype``: the models' floating-point dtype."""
+
+
+def as_input(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A batch tensor on ``device``, floating-point ones in the models' ``dtype`` (token ids and labels unchanged)."""
+    return value.to(device, dtype) if value.is_floating_point() else value.to(device)
+
+
+def kfac_optimizer(
+    model: nn.Module, section: dict[str, Any], make: Callable[[Iterable[Any]], torch.optim.Optimizer]
+) -> torch.optim.Optimizer:
+    """The K-FAC arm's base optimizer: with the eigenbasis key, the K-FAC layers' parameters in groups of their own,
+    as ``ds_kfac.initialize`` splits them."""
+    params: Iterable[Any] = model.parameters()
+    if section.get("eigenbasis_moments"):
+        params = split_groups(params, preconditioned_parameters(model, KFACConfig.parse(section)))
+    return make(params)
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -592,11 +612,12 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         return time.perf_counter()
 
     cadence = {key: section[key] for key in CADENCE}
+    dtype = DTYPES[spec["dtype"]]
     torch.manual_seed(spec["seed"])
-    model = workload.build(smoke).to(device).train()
+    model = workload.build(smoke).to(device, dtype).train()
     initial = copy.deepcopy(model.state_dict())
     generator = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
-    pool = [{k: v.to(device) for k, v in workload.batch(smoke, generator).items()} for _ in range(POOL)]
+    pool = [{k: as_input(v, device, dtype) for k, v in workload.batch(smoke, generator).items()} for _ in range(POOL)]
     kfac_group = dist.new_group(list(range(world)))
 
     make_optimizer = json_optimizer(spec["base_optimizer"]) if spec["base_optimizer"] else workload.optimizer
@@ -604,13 +625,10 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     warmup = spec["warmup_steps"] or cadence["inv_update_steps"]
     run_cycle(base, pool, ga, cadence, -1, workload, world, now, warmup)
     rss_base = peak_rss_bytes()
-    kfac_model = workload.build(smoke).to(device).train()
+    kfac_model = workload.build(smoke).to(device, dtype).train()
     kfac_model.load_state_dict(initial)
     del initial
-    params: Iterable[Any] = kfac_model.parameters()
-    if section.get("eigenbasis_moments"):  # the K-FAC layers' parameters in groups of their own, as initialize splits
-        params = split_groups(params, preconditioned_parameters(kfac_model, KFACConfig.parse(section)))
-    optimizer = make_optimizer(params)
+    optimizer = kfac_optimizer(kfac_model, section, make_optimizer)
     arm = Arm(kfac_model, optimizer)
     arm.kfac = kfac = KFACPreconditioner(
         kfac_model,
@@ -668,6 +686,7 @@ def worker(spec_path: Path, rank: int) -> None:
     """A rank of one configuration: join the group, measure, write ``rank<r>.json`` beside the spec."""
     spec = json.loads(spec_path.read_text())
     torch.set_num_threads(1)
+    torch.set_float32_matmul_precision(spec["matmul_precision"])
     backend = "nccl" if spec["device"] == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -919,6 +938,8 @@ def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> di
         "base_optimizer": args.base_optimizer,
         "smoke": args.smoke,
         "device": args.device,
+        "dtype": args.dtype,
+        "matmul_precision": args.matmul_precision,
         "seed": args.seed,
         "timeout": args.timeout,
         "port": free_port(),
@@ -965,6 +986,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "base_optimizer",
                 "smoke",
                 "device",
+                "dtype",
+                "matmul_precision",
                 "seed",
                 "timeout",
             )
@@ -1019,6 +1042,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="BERT-tiny and ResNet-8 at 16x16, factors every 2 steps, decompositions every 4",
     )
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    r.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="both models' parameters, activations and gradients (bfloat16: the model half of DeepSpeed's bf16; the "
+        "base optimizer steps those parameters directly, without DeepSpeed's fp32 master copies)",
+    )
+    r.add_argument(
+        "--matmul-precision",
+        choices=("highest", "high", "medium"),
+        default="highest",
+        help="torch.set_float32_matmul_precision in every rank (the user's switch: TF32 on CUDA, bf16 on CPUs "
+        "with AVX512-BF16; both arms, and K-FAC's float32 matmuls)",
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "step_cost" / "step_cost.json")

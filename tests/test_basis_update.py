@@ -54,6 +54,23 @@ def test_a_converged_basis_maps_onto_itself() -> None:
     torch.testing.assert_close(v.double(), values.flip(-1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_the_subspace_step_is_full_precision_under_the_users_matmul_switch(precision: str) -> None:
+    """``F Q`` at full float32 precision whatever ``torch.set_float32_matmul_precision`` says, and the user's setting
+    restored after. (On this machine class the switch changes the product's bits, so without the pin the bases
+    differ.)"""
+    old, new = _spd(200, 0).float(), (_spd(200, 0) + 0.05 * _spd(200, 1)).float()
+    previous = BasisSolver("eigh")(old, torch.float32, None)
+    want = BasisSolver("subspace")(new, torch.float32, previous)
+    torch.set_float32_matmul_precision(precision)
+    try:
+        got = BasisSolver("subspace")(new, torch.float32, previous)
+        assert torch.get_float32_matmul_precision() == precision
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_first_decomposition_and_drifted_bases_take_a_full_eigh() -> None:
     f = (_spd(20, 3) + torch.ones(20, 20, dtype=torch.float64)).float()  # far from diagonal: the identity drifted
     values, vectors = torch.linalg.eigh(f)
@@ -116,6 +133,15 @@ def test_a_refresh_updates_the_kept_basis_from_the_factors() -> None:
     assert not torch.equal(bases[2][block.name][0], bases[1][block.name][0])
     metrics = kfac.metrics()  # 3 layers x 2 sides: in full at step 0, by a subspace step at step 2
     assert (metrics["kfac/refresh/full"], metrics["kfac/refresh/subspace"]) == (6.0, 6.0)
+    drifts = []  # each side's ||offdiag(Q_old^T F Q_old)||_F / ||F||_F, in float64 from the step's factors
+    for b in kfac.blocks:
+        for factor, at in ((b.a.value, 0), (b.g.value, 1)):
+            f, q = factor.double(), bases[1][b.name][at].double()
+            rotated = q.T @ f @ q
+            drifts.append(float((rotated - torch.diag(rotated.diagonal())).norm() / f.norm()))
+    assert metrics["kfac/refresh/drift_max"] == pytest.approx(max(drifts), rel=1e-4)
+    assert metrics["kfac/refresh/drift_mean"] == pytest.approx(sum(drifts) / len(drifts), rel=1e-4)
+    assert 0.0 < min(drifts) and max(drifts) < 1.0
 
 
 def test_spread_slots_balance_each_ranks_cost() -> None:

@@ -70,6 +70,49 @@ def test_step_cost_invocations_parse(device: str, tiny: bool) -> None:
     assert type(optimizer).__name__ == "Lamb"  # FusedLamb needs CUDA parameters
 
 
+def test_step_cost_targets() -> None:
+    """Issue 45's limits by run name: the shipped method 1.15x (float32, TF32), 1.25x in bf16, at GA 8 only."""
+    assert bundle._ratio_target("shipped_ga8", 8, 1.14) is True
+    assert bundle._ratio_target("shipped_tf32_ga8", 8, 1.16) is False
+    assert bundle._ratio_target("shipped_bf16_ga8", 8, 1.24) is True
+    assert bundle._ratio_target("shipped_bf16_ga8", 8, 1.26) is False
+    assert bundle._ratio_target("shipped_ga8", 32, 2.0) is None and bundle._ratio_target("inverse_ga8", 8, 2.0) is None
+    assert bundle._slowest_target("shipped_bf16_ga8", 1.6) is False and bundle._slowest_target("plain_ga8", 9) is None
+
+
+def test_linalg_check_dry_run() -> None:
+    """The refresh microbenchmark at toy widths: every method runs; the warm updates (Householder and Cholesky-QR2)
+    give one basis, orthonormal, whose drift is below the drifted basis' (one subspace step), and eigh's residual
+    is at rounding."""
+    import linalg
+
+    result = bundle.CHECKS["linalg"](argparse.Namespace(device="cpu", tiny=True))
+    assert result["passed"] and [row["width"] for row in result["widths"]] == list(linalg.TINY_WIDTHS)
+    for row in result["widths"]:
+        house, chol = row["subspace_householder"], row["subspace_cholesky_qr2"]
+        assert abs(row["drift_before"] - linalg.DRIFT) < 0.05
+        assert house["residual"] < 0.75 * row["drift_before"] and abs(chol["residual"] - house["residual"]) < 1e-5
+        assert chol["orthogonality"] < 1e-5 and row["eigh_fp32"]["residual"] < 1e-5
+        assert row["eigh_fp64"]["residual"] < 1e-12 and row["matmul_tf32"]["ms"] > 0
+    factor = linalg.spd_factor(16, torch.Generator().manual_seed(1), torch.device("cpu"))
+    basis = linalg.drifted_basis(factor, torch.Generator().manual_seed(2))
+    q_house, _ = linalg.subspace_step(*linalg.basis_drift(factor, basis)[:2])
+    q_chol, _ = linalg.subspace_cholesky(factor, basis)
+    torch.testing.assert_close(q_chol, q_house, atol=1e-4, rtol=0)
+
+
+def test_hooks_check_dry_run() -> None:
+    """BERT-mini's smoke model (bert-tiny, 2 encoder layers) with K-FAC's hooks and without: 3 timed rounds each,
+    the 6 Linears of each layer registered (the shipped phase-1 section skips the heads and the pooler)."""
+    result = bundle.CHECKS["hooks"](argparse.Namespace(device="cpu", tiny=True))
+    assert result["passed"] and result["workload"] == "bert-mini"
+    assert [len(t) for t in result["times_ms"].values()] == [3, 3]
+    assert result["registered_layers"] == 2 * 6
+    assert result["added_ms"]["per_layer"] == pytest.approx(
+        result["added_ms"]["per_micro_batch"] / result["registered_layers"]
+    )
+
+
 def test_bert_plan_parses(tmp_path: Path) -> None:
     """Phase 1, AdamW, ds_kfac's config and a peer: configs that K-FAC and the model accept, commands pretrain.py
     parses, one rank, phase 2 from phase 1's run."""

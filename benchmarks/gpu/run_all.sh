@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU bundle (issue 38), from the repository root on the GPU machine, in one device call or two:
 #   BUDGET=540 bash benchmarks/gpu/run_all.sh all [peer configs...]  # everything inside BUDGET seconds (one call)
-#   bash benchmarks/gpu/run_all.sh 1   # install, then tests, fp16, lamb, step-cost    (about 6 minutes)
+#   bash benchmarks/gpu/run_all.sh 1   # install, then tests, fp16, lamb, linalg, hooks, step-cost (about 7 minutes)
 #   bash benchmarks/gpu/run_all.sh 2   # install (skipped when warm), then bert [peer configs...]  (about 6 minutes)
-# `all` runs the three correctness checks side by side (none of them is timed), then step-cost alone, then bert alone
-# with what is left, each check's launches cut to its share so every check writes its JSON before BUDGET runs out.
+# `all` runs the three correctness checks side by side (none of them is timed), then linalg, hooks and step-cost
+# alone, then bert alone with what is left, each check's launches cut to its share so every check writes its JSON before BUDGET runs out.
 # The peer arms' phase-2 configs are further arguments (paths from the repository root). Every check
 # writes $OUT/<check>.json; the whole output goes to $OUT/log<part>.txt (lines prefixed by the check's name).
 # `lamb` runs twice, with TORCH_CUDA_ARCH_LIST unset and set to the GPU's capability (FusedLamb's build, issue 45),
@@ -40,6 +40,8 @@ case $PART in
     check 60 fp16 --timeout 50
     check 90 lamb --arch-list unset
     check 60 lamb --arch-list device  # loads the op the first one built
+    check 60 linalg
+    check 60 hooks
     check 200 step-cost --timeout 60 --budget 130
     ;;
   all)
@@ -48,6 +50,8 @@ case $PART in
     check 150 tests --timeout 140 &
     check 150 fp16 --timeout 140 &
     wait
+    check 60 linalg
+    check 60 hooks
     left=$((end - SECONDS)) && share=$((left - 150))  # step-cost's: at least 150 s stay for bert
     check $share step-cost --timeout 90 --budget $((share - 100))
     left=$((end - SECONDS))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 
-from .numerics import basis_drift, canonical_eigh, eigh, subspace_step, with_fallback
+from .numerics import basis_drift, canonical_eigh, eigh, full_precision_matmuls, subspace_step, with_fallback
 
 if TYPE_CHECKING:
     from ..config import KFACConfig
@@ -41,6 +41,9 @@ class BasisSolver:
     max_drift: float = 0.5
     counts: Counter = field(default_factory=Counter, compare=False, repr=False)
     """This process's refreshes by how they were computed (``"full"``, ``"subspace"``), for the metrics."""
+    drifts: Counter = field(default_factory=Counter, compare=False, repr=False)
+    """The drifts its warm starts measured: ``"sum"``, ``"max"``, ``"count"`` (how far bases move between refreshes:
+    near ``max_drift``, the cadence is too long for the subspace step), for the metrics."""
 
     @property
     def exact_rounding(self) -> Optional[float]:
@@ -65,8 +68,13 @@ class BasisSolver:
 
     def _warm(self, matrix: torch.Tensor, basis: torch.Tensor) -> Optional[State]:
         """One subspace step from ``basis``, or ``None`` where it drifted too far (or the result is not finite)."""
-        y, rayleigh, drift = basis_drift(matrix, basis)
-        if not bool(drift <= self.max_drift):  # a NaN drift too: the full eigh decides
+        with full_precision_matmuls():  # whatever matmul precision the user allows the rest of the step
+            y, rayleigh, drift = basis_drift(matrix, basis)
+        value = float(drift)  # the refresh's one host sync per factor
+        if value == value:  # not NaN
+            self.drifts.update(sum=value, count=1)
+            self.drifts["max"] = max(self.drifts["max"], value)
+        if not value <= self.max_drift:  # a NaN drift too: the full eigh decides
             return None
         try:
             return subspace_step(y, rayleigh)

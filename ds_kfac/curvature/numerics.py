@@ -3,7 +3,8 @@ damping, the compute dtype and finiteness as a device tensor, a change of eigenb
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -76,6 +77,24 @@ def canonical_eigh(matrix: torch.Tensor, rounding: float) -> tuple[torch.Tensor,
     # 2 k on the diagonal of cluster k keeps the clusters' spectra (in [2k, 2k + 1]) apart and in order.
     _, within = torch.linalg.eigh(compressed + torch.diag_embed(2.0 * cluster))
     return vectors @ within, values.clamp_(min=0.0)
+
+
+@contextmanager
+def full_precision_matmuls() -> Iterator[None]:
+    """float32 matmuls at full precision inside, whatever ``torch.set_float32_matmul_precision`` the user chose (TF32
+    on CUDA, bf16 on CPUs with AVX512-BF16: 8 to 10 bits of mantissa), restored after. For a refresh's ``F Q``, whose
+    Rayleigh quotients become eigenvalues: reduced precision would blur every eigenvalue below about 1e-3 of the
+    largest. The switch is process-wide, so a matmul of another thread meanwhile (``async_decompositions``' worker
+    runs beside the step) runs at full precision too: slower, never less exact."""
+    previous = torch.get_float32_matmul_precision()
+    if previous == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def basis_drift(matrix: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

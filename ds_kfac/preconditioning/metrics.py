@@ -62,7 +62,8 @@ class Reporting:
         """K-FAC's scalars by name, for a training log: ``kfac/steps``, ``kfac/nu`` (with ``kl_clip``),
         ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`), the curvature
         options (:meth:`option_metrics`), ``kfac/refresh/full`` and ``kfac/refresh/subspace`` (the sides this process
-        decomposed in full or updated by a subspace step, ``basis_update``) and, with adaptive refresh,
+        decomposed in full or updated by a subspace step, ``basis_update``), ``kfac/refresh/drift_mean`` and
+        ``kfac/refresh/drift_max`` (over the warm starts' drift tests so far; where some ran) and, with adaptive refresh,
         ``kfac/interval/<layer>.<A/G>``. DeepSpeed's
         monitor and ``ds_kfac.hf.KFACTrainer`` both write these."""
         metrics = {"kfac/steps": float(self.steps), **self.option_metrics()}
@@ -75,6 +76,10 @@ class Reporting:
         solvers = {id(s): s for b in self.blocks if (s := getattr(b.method, "solver", None)) is not None}
         for how in ("full", "subspace"):  # this process's refreshes by how they were computed (basis_update)
             metrics[f"kfac/refresh/{how}"] = float(sum(s.counts[how] for s in solvers.values()))
+        tested = sum(s.drifts["count"] for s in solvers.values())
+        if tested:
+            metrics["kfac/refresh/drift_mean"] = sum(s.drifts["sum"] for s in solvers.values()) / tested
+            metrics["kfac/refresh/drift_max"] = max(s.drifts["max"] for s in solvers.values())
         return metrics
 
     def option_metrics(self) -> dict[str, float]:
