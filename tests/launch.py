@@ -5,9 +5,11 @@ the ``deepspeed`` launcher (``deepspeed.launcher.launch``) or ``torchrun`` gives
 processes cost about 6 s of a launch on 2 cores and are not what those tests are about. The launchers themselves are
 run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes` and the examples' tests.
 
-Every launch gets a free loopback port and a timeout, runs in its own process
+Every launch gets a loopback port and a timeout, runs in its own process
 session, and is killed with all its children if it overruns, so no test
-leaves processes or ports behind.
+leaves processes or ports behind. Ranks started here meet at a store this
+process serves on a port it holds from before they learn it (:func:`held_port`);
+a real launcher binds a free port it is given (:func:`free_port`) itself.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from ds_kfac.integration.cleanup import port_segments, release_port_segments
 
@@ -46,6 +49,27 @@ def free_port() -> int:
             return port
 
 
+_HELD: dict[int, dist.TCPStore] = {}
+"""The stores :func:`held_port` serves, by port, until :func:`release`."""
+
+
+def held_port() -> int:
+    """A loopback port on which this process serves a job's ``TCPStore`` until :func:`release`: the job's ranks
+    join it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``, as under torchrun's agent). The port is bound before
+    any rank learns it: one found free and closed again (:func:`free_port`) can meanwhile become another socket's
+    ephemeral port (a gloo connection's, say), and the job's rank 0 then fails to bind it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _HELD[store.port] = store
+    return store.port
+
+
+def release(port: str | int) -> None:
+    """The end of a job that met at ``port``: its store (:func:`held_port`) is stopped, its port closed, and its
+    DeepSpeed shared-memory segments are removed."""
+    _HELD.pop(int(port), None)
+    release_port_segments(port)
+
+
 def one_rank_env() -> dict[str, str]:
     """The launcher's environment for a single rank on a free loopback port."""
     return {
@@ -65,9 +89,9 @@ def run(
     rank_envs: Optional[list[dict[str, str]]] = None,
 ) -> list[str]:
     """Run ``cmds`` concurrently, each in a new session (``rank_envs``: each its own variables besides ``env``);
-    return their outputs. If any fails or the time runs out, every process group is killed. Afterwards the
-    DeepSpeed shared-memory segments of the launch's ports (``--master_port`` or ``MASTER_PORT``) are removed (see
-    :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own. Those
+    return their outputs. If any fails or the time runs out, every process group is killed. Afterwards the launch's
+    ports (``--master_port`` or ``MASTER_PORT``) are released (:func:`release`), their DeepSpeed shared-memory
+    segments included (see :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own. Those segments
     found are first appended to ``left_segments``, when given."""
     ports = {cmd[cmd.index("--master_port") + 1] for cmd in cmds if "--master_port" in cmd}
     ports |= {e["MASTER_PORT"] for e in rank_envs or [] if "MASTER_PORT" in e}
@@ -77,7 +101,7 @@ def run(
         for port in ports:
             if left_segments is not None:
                 left_segments.extend(port_segments(port))
-            release_port_segments(port)
+            release(port)
 
 
 def _run(
@@ -132,11 +156,13 @@ def _spec(out_dir: Path, scenarios: list[dict[str, Any]], worker: Path = WORKERS
 
 def rank_launch(world: int, script: list[str], launcher: str = "deepspeed") -> tuple[list[list[str]], list[dict]]:
     """The commands and environments with which a launcher on one node starts ``world`` ranks of ``script``
-    (a path and its arguments) on a free loopback port: ``deepspeed`` (``deepspeed.launcher.launch``: ``RANK``,
-    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``/``CROSS_SIZE``, ``MASTER_*``, and a
-    ``--local_rank=R`` argument) or ``torchrun`` (the same without the argument, with ``LOCAL_WORLD_SIZE``)."""
-    port = str(free_port())
+    (a path and its arguments): ``deepspeed`` (``deepspeed.launcher.launch``: ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``/``CROSS_SIZE``, ``MASTER_*``, and a ``--local_rank=R`` argument)
+    or ``torchrun`` (the same without the argument, with ``LOCAL_WORLD_SIZE``). They meet at a store this process
+    serves on a :func:`held_port` (``TORCHELASTIC_USE_AGENT_STORE``), until :func:`run` returns."""
+    port = str(held_port())
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)}
+    common |= {"TORCHELASTIC_USE_AGENT_STORE": "True"}
     common |= {"LOCAL_SIZE": str(world), "CROSS_RANK": "0", "CROSS_SIZE": "1"} if launcher == "deepspeed" else {}
     common |= {"LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0"} if launcher == "torchrun" else {}
     cmds, envs = [], []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import runpy
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +22,6 @@ import torch
 from workers import ds_worker, problem
 
 from ds_kfac import KFACPreconditioner
-from ds_kfac.integration.cleanup import release_port_segments
 from ds_kfac.planning import plan_job, read_job
 from ds_kfac.planning.cli import main
 from ds_kfac.planning.models import bert_config, bert_on_meta
@@ -91,11 +91,17 @@ def jobs() -> list[tuple[int, dict]]:
     return out
 
 
+def sub_job_ports() -> dict[str, list[int]]:
+    """A port for each 2-rank and each 1-rank job of the launch (``plan_worker``'s ``"ports"``), each serving its
+    job's store from now on (:func:`launch.held_port`), so none can be taken before its job joins it."""
+    return {"2": [launch.held_port() for _ in range(2)], "1": [launch.held_port() for _ in range(4)]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, dict, list[dict]]]:
     """One launch: per scenario, its world size, the scenario and each rank's ``ds_worker`` result."""
     out = tmp_path_factory.mktemp("plan")
-    ports = {"2": [launch.free_port() for _ in range(2)], "1": [launch.free_port() for _ in range(4)]}
+    ports = sub_job_ports()
     spec = out / "spec.json"
     spec.write_text(json.dumps({"4": SCENARIOS[4], "2": SCENARIOS[2], "1": SCENARIOS[1], "ports": ports}))
     cmds, envs = launch.rank_launch(4, [str(launch.WORKERS / "plan_worker.py"), "--spec", str(spec), "--out", str(out)])
@@ -103,8 +109,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, dict, list
         launch.run(cmds, timeout=280, rank_envs=envs)
     finally:
         for port in ports["2"] + ports["1"]:
-            release_port_segments(port)
+            launch.release(port)
     return [(world, s, [torch.load(out / name, map_location="cpu") for name in s["files"]]) for world, s in jobs()]
+
+
+def test_every_port_of_the_launch_is_bound_until_released() -> None:
+    """The launch's port and its sub-jobs' (:func:`launch.held_port`) are bound from before the launch until
+    released: no socket of an earlier phase can take one as its ephemeral port, as it could a port found free and
+    closed again (the launch failed 1 time in 9)."""
+    _, envs = launch.rank_launch(4, [str(launch.WORKERS / "plan_worker.py")])
+    ports = [int(envs[0]["MASTER_PORT"]), *(port for job in sub_job_ports().values() for port in job)]
+    try:
+        for port in ports:
+            with socket.socket() as s, pytest.raises(OSError, match="in use"):
+                s.bind(("127.0.0.1", port))
+    finally:
+        for port in ports:
+            launch.release(port)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def comparisons(world: int, s: dict, results: list[dict]) -> list[tuple[str, int, int]]:

@@ -2,10 +2,11 @@
 
 ``--spec`` is a JSON object: ``"4"``, the scenarios (``ds_worker``'s keys) the 4 ranks run together; ``"2"``, two
 lists, those the ranks ``{0, 1}`` and ``{2, 3}`` run as two 2-rank jobs; ``"1"``, four lists, those each rank runs
-alone; ``"ports"``, a free port for each 2-rank job and each 1-rank job (``"2"``, ``"1"``). Between the phases each
-rank shuts its process group down (``ds_kfac.shutdown()``) and joins the next one on its port: one launcher start-up
-for three world sizes. Each result is ``ds_worker.train``'s, saved to ``<out>/w<world>_<job>_<index>_rank<rank>.pt``
-(``<rank>`` within its job).
+alone; ``"ports"``, a port for each 2-rank job and each 1-rank job (``"2"``, ``"1"``), on which the test serves the
+job's store from before the launch (``launch.held_port``; no rank binds it, so no gloo connection of an earlier phase
+can take it first). Between the phases each rank shuts its process group down (``ds_kfac.shutdown()``) and joins the
+next one on its port: one launcher start-up for three world sizes. Each result is ``ds_worker.train``'s, saved to
+``<out>/w<world>_<job>_<index>_rank<rank>.pt`` (``<rank>`` within its job).
 """
 
 from __future__ import annotations
