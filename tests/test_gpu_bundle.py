@@ -1,18 +1,21 @@
 """benchmarks/gpu/ (issue 38) cannot rot: every check of run.py dry-runs on the CPU at toy sizes, cheaply.
 
-The checks that train run in this process (fp16 as bf16, lamb); the one that runs pytest runs one case of it; the
-long ones (step-cost, bert) are checked as commands: every ``step_cost.py`` invocation parses, with its K-FAC
-section, and every BERT config and ``pretrain.py`` command line parses (the examples' and step_cost's own tests run
-them at smoke sizes).
+The checks that train run in this process (fp16 as bf16, lamb, bert's dry run: BERT-tiny, one batch); the one that
+runs pytest runs one case of it; step-cost is checked as commands: every ``step_cost.py`` invocation parses, with its
+K-FAC section (step_cost's own tests run it at smoke sizes). The bert check's default plan is checked as configs and
+predicted seconds, its logic on synthetic curves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks" / "gpu"), str(ROOT / "examples" / "bert")]
+import convergence  # noqa: E402  (benchmarks/gpu/convergence.py)
 import run as bundle  # noqa: E402  (benchmarks/gpu/run.py)
 import step_cost  # noqa: E402
 
@@ -113,28 +117,100 @@ def test_hooks_check_dry_run() -> None:
     )
 
 
-def test_bert_plan_parses(tmp_path: Path) -> None:
-    """Phase 1, AdamW, ds_kfac's config and a peer: configs that K-FAC and the model accept, commands pretrain.py
-    parses, one rank, phase 2 from phase 1's run."""
-    import pretrain
+@pytest.mark.timeout(240)  # about 15 s of CPU; more on a machine that is busy
+def test_bert_check_dry_run(one_rank: None, tmp_path: Path) -> None:
+    """The ``bert`` check's dry run in this process (``--device cpu --tiny``: BERT-tiny, batch 16): phase 1, then
+    per arm a 3-rate grid stopped after 2 of 6 steps and the best continued, in bf16; the JSON written."""
+    code = bundle.main(["--check", "bert", "--device", "cpu", "--tiny", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bert.json").read_text())
+    assert code == 0 and result["passed"], (result["errors"], result["skipped"])
+    assert result["plan"]["items"] == ["tiny:16"] and not result["skipped"]
+    phase1 = result["phase1"]["tiny"]
+    assert phase1["steps"] == 4 and phase1["config"]["client_optimizer"]["class"] == "ds_kfac.Lamb"
+    assert 5.0 < phase1["plateau"]["unigram_entropy"] < math.log(1024)
+    (item,) = result["items"]
+    assert item["steps"] == 6 and item["grid_steps"] == 2 and item["complete"]
+    for arm in convergence.ARMS:
+        grid, run = item["grids"][arm], item["runs"][arm]
+        assert len(grid["scores"]) == 3 and grid["rate"] == run["rate"] and str(run["rate"]) in grid["scores"]
+        assert [int(step) for step, _, _ in run["curve"]] == list(range(1, 7))  # the grid's 2 steps, resumed to 6
+        assert run["config"]["bf16"]["enabled"] and run["seconds_per_step"] > 0
+    ratios = item["summary"]["ratios"]
+    assert set(ratios) == {"kfac/adamw", "kfac/soap", "kfac/soap at SOAP's final"}
+    assert set(result["fixed_target"]["tiny"]["to_target"]) == set(convergence.ARMS)
+    assert "| tiny:16 | kfac |" in result["table"]
 
-    peer = "configs/bert_cpu_phase2_kfac.json"  # a stand-in for the lead's peer configs
-    for tiny in (False, True):
-        args = argparse.Namespace(
-            device="cuda", tiny=tiny, peer_config=[peer], phase1_steps=600, phase2_steps=150, timeout=1.0
-        )
-        plan = bundle.bert_plan(args, tmp_path / str(tiny))
-        assert list(plan["commands"]) == ["phase1", "base", "kfac", Path(peer).stem]
-        for name, cmd in plan["commands"].items():
-            assert cmd[1:3] == ["--num_gpus", "1"]
-            parsed = pretrain.parse_args(cmd[cmd.index(str(ROOT / "examples/bert/pretrain.py")) + 1 :])
-            assert (parsed.init_checkpoint is None) == (name == "phase1")
-            config = json.loads(Path(plan["configs"][name]).read_text())
-            assert (ROOT / config["bert"]["model"]).is_file()
-            if "kfac" in config:
-                KFACConfig.parse(config["kfac"])
-        if not tiny:
-            assert config["bert"]["max_seq_length"] == 128 and config["bert"]["max_steps"] == 150
+
+def test_bert_plan_and_budget() -> None:
+    """The default plan: its schedules, grids and predicted seconds (inside one 10-minute call); every arm's config
+    as ds_kfac takes it."""
+    from ds_kfac.integration.optimizer_setup import refuse_flat_muon
+
+    plan = convergence.parse_plan(convergence.PLAN)
+    assert plan == [("4x512", 256), ("4x512", 1024), ("4x512", 4096), ("12x768", 1024)]
+    small, base = convergence.SIZES["4x512"], convergence.SIZES["12x768"]
+    assert [convergence.schedule(small, b) for b in (256, 1024, 4096)] == [(96, 16, 32), (48, 8, 16), (24, 4, 8)]
+    assert convergence.schedule(base, 1024) == (32, 5, 10)
+    assert convergence.centre_rate(512, 256) == pytest.approx(0.002)
+    assert convergence.centre_rate(512, 4096) == pytest.approx(0.008)
+    expected = convergence.plan_seconds(plan)
+    assert expected["parts"] == {"4x512 phase 1": 124, "4x512:256": 61, "4x512:1024": 85, "4x512:4096": 134,
+                                 "12x768 phase 1": 44, "12x768:1024": 77}  # fmt: skip
+    assert expected["total"] == 526 <= 540
+    phase1 = convergence.phase1_config(small, 1200, 0.02, 75)
+    assert phase1["bert"]["warmup_proportion"] == 0.0625 and phase1["train_micro_batch_size_per_gpu"] == 256
+    for arm in convergence.ARMS:
+        config = convergence.arm_config(arm, base, 1024, 0.001)
+        assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] == 1024
+        assert config["bert"]["max_steps"] == 32 and config["bert"]["eval_every"] == 5 and config["bf16"]["enabled"]
+        assert (config.get("optimizer") or config["client_optimizer"])["params"]["lr"] == 0.001
+        refuse_flat_muon(config)
+        if "kfac" in config:
+            assert KFACConfig.parse(config["kfac"]).eigenbasis_max_dim == 769  # every hidden-wide side
+    shipped = json.loads((ROOT / "configs/bert_cpu_phase2_kfac.json").read_text())
+    with pytest.raises(Exception, match="Muon"):
+        refuse_flat_muon({**shipped, "bf16": {"enabled": True}})  # why ds_kfac's arm takes AdamW for the rest
+    with pytest.raises(ValueError, match="SIZE:BATCH"):
+        convergence.parse_plan(["4x512"])
+
+
+def test_bert_rates_and_ratios() -> None:
+    """The pure logic: the grid's choice, rates moved across widths, the unigram entropy, the plateau verdict, the
+    ratios at AdamW's final and the fixed target over batches, on synthetic curves."""
+    assert convergence.choose_rate({0.001: 4.0, 0.002: 3.5, 0.004: 3.7}) == {"rate": 0.002, "closed": True}
+    assert convergence.choose_rate({0.001: 4.0, 0.002: None, 0.004: float("nan")}) == {"rate": 0.001, "closed": False}
+    assert convergence.choose_rate({0.001: None}) == {"rate": None, "closed": False}
+    assert convergence.transferred_rates({"adamw": 0.003}, 512, 768) == {"adamw": pytest.approx(0.002)}
+    assert convergence.unigram_entropy([[1, 1], [2, 3]]) == pytest.approx(1.5 * math.log(2))
+    assert convergence.plateau(5.0, 6.4)["left"] and not convergence.plateau(5.6, 6.4)["left"]
+    # step, training seconds, held-out loss: AdamW ends at 4.0 in 100 steps (1 s a step); ds_kfac reaches 4.0 at step
+    # 50 (1.2 s a step), SOAP at step 80 (1.1 s a step) and ends at 3.9, which ds_kfac reaches at step 70.
+    curves = {
+        "adamw": [(50, 50.0, 4.5), (100, 100.0, 4.0)],
+        "soap": [(40, 44.0, 4.4), (80, 88.0, 4.0), (100, 110.0, 3.9)],
+        "kfac": [(50, 60.0, 4.0), (70, 84.0, 3.9), (100, 120.0, 3.5)],
+    }
+    summary = convergence.item_summary(curves)
+    assert summary["target"] == 4.0
+    ratios = summary["ratios"]
+    assert ratios["kfac/adamw"] == {"steps": 0.5, "seconds": 0.6}
+    assert ratios["kfac/soap"] == {"steps": pytest.approx(50 / 80), "seconds": pytest.approx(60 / 88)}
+    assert ratios["kfac/soap at SOAP's final"] == {"steps": 0.7, "seconds": pytest.approx(84 / 110)}
+    larger = {"adamw": [(25, 50.0, 4.2)], "kfac": [(10, 20.0, 4.4), (20, 40.0, 4.0)]}
+    fixed = convergence.fixed_target({256: curves, 4096: larger})
+    assert fixed["target"] == 4.2 and fixed["to_target"]["adamw"][4096] == {"steps": 25, "seconds": 50.0}
+    assert fixed["to_target"]["kfac"][4096] == {"steps": pytest.approx(15.0), "seconds": pytest.approx(30.0)}
+    assert fixed["to_target"]["adamw"][256] == {"steps": pytest.approx(80.0), "seconds": pytest.approx(80.0)}
+
+
+def test_time_limit_stops_a_run_and_restores_the_timer() -> None:
+    signal.setitimer(signal.ITIMER_REAL, 60.0)  # as pytest-timeout's
+    try:
+        with pytest.raises(convergence.RunTimeout), convergence.time_limit(0.05):
+            time.sleep(1.0)
+        assert 58.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 60.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def test_scripts_are_valid_bash_and_name_real_checks() -> None:

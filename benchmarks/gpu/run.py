@@ -7,7 +7,7 @@
     python benchmarks/gpu/run.py --check linalg     # a refresh's eigh vs warm-started updates (QR, Cholesky-QR2)
     python benchmarks/gpu/run.py --check hooks      # a plain micro-batch with K-FAC's hooks and without
     python benchmarks/gpu/run.py --check step-cost  # step_cost.py at BERT-base shapes, GA 1/8/32, eigenbasis, async
-    python benchmarks/gpu/run.py --check bert --peer-config configs/x.json  # BERT-small time to target
+    python benchmarks/gpu/run.py --check bert       # BERT-small and -base time to target, batch 256-4,096, tuned
     ... --device cpu --tiny                         # the same at toy sizes on the CPU (fp16 becomes bf16 there)
 
 ``--out`` defaults to ``$OUT`` (the device tool's folder) or ``runs/gpu``. Every JSON holds ``check``,
@@ -38,6 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT / "tests" / "workers")]
+import convergence  # noqa: E402  (benchmarks/gpu/convergence.py)
 import hook_cost  # noqa: E402
 import launch  # noqa: E402  (tests/launch.py)
 import linalg  # noqa: E402  (benchmarks/gpu/linalg.py: run.py's own folder)
@@ -421,112 +422,7 @@ def check_step_cost(args: argparse.Namespace) -> Result:
     }
 
 
-# ---------------------------------------------------------------- e. BERT time to target
-BERT_SMALL = "benchmarks/gpu/bert-small.json"
-ARM_CONFIGS = {"base": "configs/bert_cpu_phase2_base.json", "kfac": "configs/bert_cpu_phase2_kfac.json"}
-PHASE1_CONFIG = "configs/bert_cpu_phase1_lamb.json"
-
-
-def bert_overrides(tiny: bool, phase: int, steps: int) -> list[str]:
-    """The CPU demo's configs resized: BERT-small (4 x 512), sequence 128, a 8,192-token vocabulary, global batch
-    256 on one GPU (64 x 4); tiny: BERT-tiny at sequence 64, micro-batch 8, no accumulation."""
-    if tiny:
-        size = {
-            "bert.model": '"configs/bert/bert-tiny.json"',
-            "bert.max_seq_length": 64,
-            "bert.vocab_size": 1024,
-            "train_micro_batch_size_per_gpu": 8,
-            "gradient_accumulation_steps": 1,
-            "bert.eval_every": 2,
-        }
-    else:
-        size = {
-            "bert.model": f'"{BERT_SMALL}"',
-            "bert.max_seq_length": 128,
-            "bert.vocab_size": 8192,
-            "train_micro_batch_size_per_gpu": 64,
-            "gradient_accumulation_steps": 4 if phase == 2 else 1,
-            "bert.eval_every": 25 if phase == 2 else max(steps // 4, 1),
-        }
-    return [f"{key}={value}" for key, value in {**size, "bert.max_steps": steps}.items()]
-
-
-def bert_plan(args: argparse.Namespace, out: Path) -> Result:
-    """The configs and ``deepspeed`` commands of the BERT check, written under ``out`` (nothing run): phase 1 (LAMB
-    from scratch), then every arm's phase 2 from its checkpoint: AdamW, ds_kfac's config, each ``--peer-config``.
-    One rank (``--num_gpus 1``; ``time_to_target.launch`` always launches 2)."""
-    extra = ["--cache-dir", str(out / "cache"), "--eval-batches", "1" if args.tiny else "16"]
-    if args.tiny:
-        extra += ["--corpus", "stdlib"]
-    configs: dict[str, Path] = {}
-    commands: dict[str, list[str]] = {}
-    arms = {"phase1": PHASE1_CONFIG, **ARM_CONFIGS, **{Path(p).stem: p for p in args.peer_config}}
-    for name, source in arms.items():
-        phase = 1 if name == "phase1" else 2
-        steps = args.phase1_steps if phase == 1 else args.phase2_steps
-        config = ttt.apply_overrides(json.loads((ROOT / source).read_text()), bert_overrides(args.tiny, phase, steps))
-        configs[name] = out / "configs" / f"{name}.json"
-        configs[name].parent.mkdir(parents=True, exist_ok=True)
-        configs[name].write_text(json.dumps(config, indent=1))
-        init = [] if phase == 1 else ["--init-checkpoint", str(out / "phase1")]
-        commands[name] = [
-            str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "1", "--master_port", "PORT",
-            str(ROOT / "examples/bert/pretrain.py"), "--deepspeed_config", str(configs[name]), "--seed", "0",
-            "--output-dir", str(out), "--run-name", name, *extra, *init,
-        ]  # fmt: skip
-    return {"configs": {k: str(v) for k, v in configs.items()}, "commands": commands, "sources": arms}
-
-
-def check_bert(args: argparse.Namespace) -> Result:
-    """:func:`bert_plan` run in order (phase 1 first; a failed arm is recorded and the rest run; each launch's limit
-    cut to what is left of ``--budget``, an arm not started when too little is left), then each phase-2 arm's time
-    to AdamW's final held-out MLM loss (``time_to_target.summarize``)."""
-    from ds_kfac.integration.cleanup import run_launcher
-
-    out = Path(tempfile.mkdtemp(prefix="gpu_bert_"))
-    plan = bert_plan(args, out)
-    status: dict[str, Any] = {}
-    not_started = []
-    begin = time.perf_counter()
-    for name, cmd in plan["commands"].items():
-        timeout = launch_timeout(args, begin)
-        if (name != "phase1" and status.get("phase1") != 0) or timeout is None:
-            not_started.append(name)
-            continue
-        port = str(ttt.free_port())
-        start = time.perf_counter()
-        with (out / f"{name}.log").open("w") as log:
-            code = run_launcher([port if c == "PORT" else c for c in cmd], port, timeout, cwd=ROOT, output=log,
-                                env={"PYTHONUNBUFFERED": "1"})  # fmt: skip
-        status[name] = code
-        print(f"bert {name}: exit {code} after {time.perf_counter() - start:.0f}s", flush=True)
-    curves = {
-        name: ttt.read_curve(out / name / "metrics.csv", "held_out_mlm_loss")
-        for name, code in status.items()
-        if code == 0
-    }
-    summaries = {
-        name: ttt.summarize([curves["base"]], [curve], higher_is_better=False)
-        for name, curve in curves.items()
-        if name not in ("phase1", "base") and "base" in curves
-    }
-    tables = {name: ttt.table(f"{name} vs base", "held_out_mlm_loss", s) for name, s in summaries.items()}
-    failed = {name: (out / f"{name}.log").read_text()[-3000:] for name, code in status.items() if code != 0}
-    configs = {name: json.loads(Path(path).read_text()) for name, path in plan["configs"].items()}
-    return {
-        "passed": not failed and not not_started,
-        "exit_codes": status,
-        "not_started": not_started,
-        "sources": plan["sources"],
-        "configs": configs,
-        "curves": curves,
-        "summaries": summaries,
-        "tables": tables,
-        "failed_logs": failed,
-    }
-
-
-# ---------------------------------------------------------------- f. the hooks on plain micro-batches
+# ---------------------------------------------------------------- e. the hooks on plain micro-batches
 def check_hooks(args: argparse.Namespace) -> Result:
     """``benchmarks/hook_cost.py`` in this process: BERT-base's plain micro-batch (16 x 128) with K-FAC's hooks and
     without, 30 alternating rounds (tiny: BERT-mini at its smoke size, 3 rounds); passes when it ran."""
@@ -563,7 +459,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "linalg": lambda args: linalg.check_linalg(args.device, args.tiny),
     "hooks": check_hooks,
     "step-cost": check_step_cost,
-    "bert": check_bert,
+    "bert": convergence.check,
 }
 
 
@@ -583,16 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="TORCH_CUDA_ARCH_LIST for the check (lamb: FusedLamb's build): unset, or the GPUs' capabilities; "
         "default: as the environment has it",
     )
-    parser.add_argument("--peer-config", action="append", default=[], help="bert: a phase-2 config to compare too")
-    parser.add_argument("--phase1-steps", type=int, help="bert: phase-1 steps (default 600; tiny 4)")
-    parser.add_argument("--phase2-steps", type=int, help="bert: phase-2 steps (default 150; tiny 4)")
+    convergence.add_arguments(parser)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    args.phase1_steps = args.phase1_steps or (4 if args.tiny else 600)
-    args.phase2_steps = args.phase2_steps or (4 if args.tiny else 150)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny for the dry run)")
     inherited = os.environ.get(ARCH_LIST_ENV)

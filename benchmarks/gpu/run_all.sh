@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The GPU bundle (issue 38), from the repository root on the GPU machine, in one device call or two:
-#   BUDGET=540 bash benchmarks/gpu/run_all.sh all [peer configs...]  # everything inside BUDGET seconds (one call)
+# The GPU bundle (issue 38), from the repository root on the GPU machine, one device call a part:
+#   BUDGET=540 bash benchmarks/gpu/run_all.sh all  # everything inside BUDGET seconds, bert at BERT-small batch 256 only
 #   bash benchmarks/gpu/run_all.sh 1   # install, then tests, fp16, lamb, linalg, hooks, step-cost (about 7 minutes)
-#   bash benchmarks/gpu/run_all.sh 2   # install (skipped when warm), then bert [peer configs...]  (about 6 minutes)
+#   bash benchmarks/gpu/run_all.sh 2   # install, then bert's whole plan (issue 46: 4x512 at batch 256/1024/4096,
+#                                      # 12x768 at 1024; expected 526 s, budget 550 s): a call of its own, 600 s
 # `all` runs the three correctness checks side by side (none of them is timed), then linalg, hooks and step-cost
-# alone, then bert alone with what is left, each check's launches cut to its share so every check writes its JSON before BUDGET runs out.
-# The peer arms' phase-2 configs are further arguments (paths from the repository root). Every check
-# writes $OUT/<check>.json; the whole output goes to $OUT/log<part>.txt (lines prefixed by the check's name).
+# alone, then bert alone with what is left, each check's launches cut to its share so every check writes its JSON
+# before BUDGET runs out.
+# Every check writes $OUT/<check>.json; the whole output goes to $OUT/log<part>.txt (lines prefixed by the check's
+# name).
 # `lamb` runs twice, with TORCH_CUDA_ARCH_LIST unset and set to the GPU's capability (FusedLamb's build, issue 45),
 # writing lamb_arch_unset.json and lamb_arch_device.json.
 # A failing check does not stop the next; the exit status is non-zero if any failed. DRY_RUN=1 runs the same on the
 # CPU at toy sizes (run.py's --device cpu --tiny), to rehearse the script itself.
 set -uo pipefail
-PART=${1:?usage: run_all.sh 1|2|3|all [peer configs...]}
-shift
+PART=${1:?usage: run_all.sh 1|2|3|all}
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
@@ -32,8 +33,6 @@ check() {  # check SECONDS NAME [run.py arguments...]
   timeout "$limit" python3 benchmarks/gpu/run.py --check "$name" --device cuda --out "$OUT" "$@" ${DRY_RUN:+--device cpu --tiny} 2>&1 \
     | sed -u "s/^/[$name] /" | tee -a "$LOG" || echo "$name" >>"$FAILED"
 }
-peers=()
-for config in "$@"; do peers+=(--peer-config "$config"); done
 case $PART in
   1)
     check 90 tests --timeout 80
@@ -55,15 +54,15 @@ case $PART in
     left=$((end - SECONDS)) && share=$((left - 150))  # step-cost's: at least 150 s stay for bert
     check $share step-cost --timeout 90 --budget $((share - 100))
     left=$((end - SECONDS))
-    check $left bert --timeout 150 --budget $((left - 15)) "${peers[@]}" --phase1-steps 600 --phase2-steps 150
+    check $left bert --timeout 150 --budget $((left - 15)) --plan 4x512:256
     ;;
   3)  # the second call of the first lease: lamb beside step-cost's runs that had not run (none of lamb is timed)
     { check 150 lamb --arch-list unset; check 60 lamb --arch-list device; } &
     check 240 step-cost --timeout 80 --budget 150 --only async_ga8 inverse_ga8 inverse_10_100_ga8 exact_unspread_ga8
     wait
     ;;
-  2)
-    check 330 bert --timeout 150 "${peers[@]}" --phase1-steps 600 --phase2-steps 150
+  2)  # in-process runs, each stopped when the budget is spent: the JSON is written by 560 s of the check
+    check 575 bert --timeout 240 --budget 550
     ;;
   *) echo "part 1, 2, 3 or all" >&2; exit 2 ;;
 esac
