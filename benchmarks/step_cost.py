@@ -149,6 +149,7 @@ from time_to_target import apply_overrides, free_port, versions  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac import KFACConfig, KFACPreconditioner, Lamb, build_optimizer  # noqa: E402
+from ds_kfac.config.schema import DTYPES  # noqa: E402
 from ds_kfac.optimizers import resolve_lamb, split_groups  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
 from ds_kfac.preconditioning.build import preconditioned_parameters  # noqa: E402
@@ -573,8 +574,8 @@ def run_cycle(
     return records
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""``--dtype``: the models' floating-point dtype."""
+MODEL_DTYPES = ("float32", "bfloat16")
+"""``--dtype``: the models' floating-point dtype (a name of the config schema's ``DTYPES``)."""
 
 
 def as_input(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -1044,7 +1045,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     r.add_argument(
         "--dtype",
-        choices=list(DTYPES),
+        choices=MODEL_DTYPES,
         default="float32",
         help="both models' parameters, activations and gradients (bfloat16: the model half of DeepSpeed's bf16; the "
         "base optimizer steps those parameters directly, without DeepSpeed's fp32 master copies)",
