@@ -110,8 +110,10 @@ Output (``--out FILE.json``, a PNG beside it, and the Markdown table on stdout):
        "floor": {"flops_per_step": {"forward_backward", "factors", "precondition", "decompose"}, "ratio",
                  "overhead_vs_floor", "phases": {"factors" | "precondition" | "decompose":
                  {"floor_ms", "measured_ms", "measured_phases", "times_floor"}}},
-       "refreshes": [per rank: {"full", "subspace"}: the sides it decomposed in full or by a subspace step, warm-up
-                     and untimed steps included],
+       "refreshes": [per rank: {"full", "subspace", "kept"}: the sides it decomposed in full, by a subspace step
+                     or kept (basis_keep_drift), warm-up and untimed steps included; "drift_mean", "drift_max" of
+                     its drift tests where some ran],
+       "timed_refreshes": [per rank: {"full", "subspace", "kept"} in the measured cycles only],
        "memory": {"kfac_state_bytes": [per rank: {category: bytes}] (after the last step),
                   "kfac_state_bytes_in_step": [per rank] (during a factor step, statistics held), "model_param_bytes",
                   "peak_rss_bytes": {"base_only": [per rank], "with_kfac": [per rank]}}}]}
@@ -594,6 +596,12 @@ def kfac_optimizer(
     return make(params)
 
 
+def refresh_counts(kfac: KFACPreconditioner) -> dict[str, int]:
+    """This rank's refreshes so far by how they were computed (``kfac/refresh/<how>``)."""
+    metrics = kfac.metrics()
+    return {how: int(metrics[f"kfac/refresh/{how}"]) for how in ("full", "subspace", "kept")}
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -644,9 +652,11 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     rss_kfac = peak_rss_bytes()
 
     records: dict[str, list[Record]] = {"base": [], "kfac": []}
+    untimed = refresh_counts(kfac)
     for cycle in range(spec["cycles"]):
         records["base"] += run_cycle(base, pool, ga, cadence, cycle, workload, world, now)
         records["kfac"] += run_cycle(arm, pool, ga, cadence, cycle, workload, world, now)
+    timed = {how: n - untimed[how] for how, n in refresh_counts(kfac).items()}
     # Untimed steps up to the next factor step, then its state with the step's statistics still held,
     # after the last backward and before kfac.step() hands them over.
     in_step: dict[str, int] = {}
@@ -662,7 +672,11 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     metrics = kfac.metrics()
     return {
         "records": records,
-        "refreshes": {how: int(metrics[f"kfac/refresh/{how}"]) for how in ("full", "subspace")},
+        "refreshes": {
+            **refresh_counts(kfac),
+            **{k: metrics[f"kfac/refresh/{k}"] for k in ("drift_mean", "drift_max") if f"kfac/refresh/{k}" in metrics},
+        },
+        "timed_refreshes": timed,
         "layers": {"registered": registered, "skipped": [s.name for s in kfac.skipped_layers]},
         "flops": flops_per_step(
             layers,
@@ -797,6 +811,7 @@ def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str
         },
         "floor": floor_summary(ranks[0]["flops"], arms["base"]["mean_ms"], arms["kfac"]["phases_ms"], ratio),
         "refreshes": [r["refreshes"] for r in ranks],
+        "timed_refreshes": [r["timed_refreshes"] for r in ranks],
         "memory": {
             "kfac_state_bytes": [m["kfac_state_bytes"] for m in memory],
             "kfac_state_bytes_in_step": [m["kfac_state_bytes_in_step"] for m in memory],

@@ -71,6 +71,37 @@ def test_the_subspace_step_is_full_precision_under_the_users_matmul_switch(preci
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_a_basis_within_keep_drift_is_kept_with_its_rayleigh_quotients() -> None:
+    """Drift at most ``keep_drift``: the previous basis, bit for bit, and ``diag(Q^T F Q)`` (float64 reference) as
+    the eigenvalues; above it, the subspace step. Each counted as what it was."""
+    old, new = _spd(40, 0), _spd(40, 0) + 0.05 * _spd(40, 1)
+    previous = BasisSolver("eigh")(old, torch.float32, None)
+    q_old = previous[0].double()
+    rotated = q_old.T @ new @ q_old
+    drift = float((rotated - torch.diag(rotated.diagonal())).norm() / new.norm())
+    assert 0.01 < drift < 0.1
+    solver = BasisSolver("subspace", max_drift=1.0, keep_drift=1.5 * drift)
+    q, v = solver(new.float(), torch.float32, previous)
+    assert torch.equal(q, previous[0])
+    torch.testing.assert_close(v.double(), rotated.diagonal().clamp(min=0), atol=2e-6, rtol=2e-6)
+    assert (solver.counts["kept"], solver.counts["subspace"]) == (1, 0)
+    solver = BasisSolver("subspace", max_drift=1.0, keep_drift=0.5 * drift)
+    q, _ = solver(new.float(), torch.float32, previous)
+    torch.testing.assert_close(q.double(), _reference_step(new, previous[0])[0], atol=2e-5, rtol=0)
+    assert (solver.counts["kept"], solver.counts["subspace"]) == (0, 1)
+
+
+def test_a_kept_side_keeps_its_installed_tensor() -> None:
+    """In a training loop (``basis_keep_drift`` at ``basis_max_drift``): after the first refresh every side keeps its
+    basis, the same bits, and the refresh counts say so."""
+    model, kfac = _three_layers(inv_update_steps=2, factor_decay=0.5, basis_max_drift=1.0, basis_keep_drift=1.0)
+    bases = _train(model, kfac, 5)
+    for name, (qa, qg) in bases[0].items():
+        assert torch.equal(bases[4][name][0], qa) and torch.equal(bases[4][name][1], qg)
+    metrics = kfac.metrics()
+    assert (metrics["kfac/refresh/full"], metrics["kfac/refresh/subspace"], metrics["kfac/refresh/kept"]) == (6, 0, 12)
+
+
 def test_first_decomposition_and_drifted_bases_take_a_full_eigh() -> None:
     f = (_spd(20, 3) + torch.ones(20, 20, dtype=torch.float64)).float()  # far from diagonal: the identity drifted
     values, vectors = torch.linalg.eigh(f)
@@ -225,6 +256,8 @@ def test_the_flush_is_the_exact_modes_only() -> None:
         ({"basis_update": "qr"}, "basis_update"),
         ({"basis_max_drift": 0.0}, "basis_max_drift"),
         ({"basis_max_drift": 1.5}, "basis_max_drift"),
+        ({"basis_keep_drift": -0.1}, "basis_keep_drift"),
+        ({"basis_keep_drift": 0.3, "basis_max_drift": 0.2}, "above basis_max_drift=0.2"),
         ({"refresh_spread": True, "inv_update_steps": "adaptive"}, "fixed inv_update_steps"),
         ({"refresh_spread": True, "async_decompositions": True}, "async_decompositions"),
     ],

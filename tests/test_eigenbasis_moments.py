@@ -435,6 +435,8 @@ ERRORS = {
 TIED = {"tied_layers": "precondition", "eigenbasis_max_dim": 8}
 """problem.TiedModel's tied decoder and head get one-sided blocks (tests/test_one_sided.py has the equations)."""
 TIED_VARIANTS = {k: VARIANTS[k] for k in ("stage0_adamw_clipped", "stage2_adamw_mem_opt_reduce")}
+KEPT = {"basis_update": "subspace", "basis_max_drift": 1.0, "basis_keep_drift": 0.05}
+"""The shipped refresh, with a threshold between this problem's drifts (0.03-0.07): some sides keep their basis."""
 # Float32, with Adam's division by sqrt(v) in the eigenbasis: 2 ranks are within 2e-6 of one process after 5 steps.
 FP32_TOL = dict(rtol=1e-5, atol=5e-6)
 
@@ -481,6 +483,7 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[d
         bf16_overflow={"ds": BF16, "kfac": KEYS, "steps": 5, "nan_step": 2},
         bf16_skipped={"ds": BF16, "kfac": KEYS, "steps": 5, "skip_steps": [2]},
         null_spaces={"ds": NULL_SPACES, "kfac": KEYS, "steps": STEPS, "micro": 4, "ga": 1, "model": "layernorm"},
+        kept={"ds": {"optimizer": ADAMW}, "kfac": {**KEYS, **KEPT}, "steps": STEPS},
     )
     scenarios.update(
         {
@@ -526,6 +529,20 @@ def test_tied_and_one_sided_layers_match_single_process(deepspeed_runs: dict, va
     with pytest.warns(UserWarning, match='tied_layers: "precondition"'):
         skipped = reference_run(ds, {**TIED, **keys, "tied_layers": "skip"}, model_name="tied")
     assert not torch.allclose(skipped[0], expected[0], rtol=1e-3)
+
+
+def test_a_kept_basis_moves_no_moments_on_any_rank(deepspeed_runs: dict) -> None:
+    """``basis_keep_drift``: a side that keeps its basis is installed as the same tensor on the rank that decomposed
+    it and on the rank it was broadcast to, so neither moves its moments, and the replicas stay bit-identical (with a
+    receiver rotating its moments by ``Q^T Q``, which is the identity only to rounding, they part). Both kinds of
+    refresh ran, and the run is the single-process one's."""
+    ranks = deepspeed_runs["kept"]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
+    counts = [{how: r["metrics"][f"kfac/refresh/{how}"] for how in ("full", "subspace", "kept")} for r in ranks]
+    assert counts[0]["kept"] > 0 and counts[0]["subspace"] > 0 and counts[1]["kept"] > 0
+    expected = reference_run({"optimizer": ADAMW}, KEPT)
+    for got, want in zip(ranks[0]["params"], expected):
+        torch.testing.assert_close(got, want, **FP32_TOL)
 
 
 def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:

@@ -34,6 +34,7 @@ SCHEMA = {
         "ratio",
         "floor",
         "refreshes",
+        "timed_refreshes",
         "memory",
     },
     "arm": {"mean_ms", "median_ms", "slowest_ms", "coverage", "phases_ms", "classes", "step_ms"},
@@ -144,9 +145,12 @@ def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
         at_recipe = sc.amortized_ms(kfac["classes"], c["ratio"]["recipe_cadence"], measured_inv)
         at_recipe /= c["arms"]["base"]["mean_ms"]
         assert c["ratio"]["at_recipe_cadence"] == pytest.approx(at_recipe)
-        # Every rank decomposed its sides in full at step 0; later refreshes took the default subspace step.
+        # Every rank decomposed its sides in full at step 0; later refreshes started from the basis they had (a
+        # subspace step, or the basis kept: basis_keep_drift).
         assert len(c["refreshes"]) == world and all(r["full"] > 0 for r in c["refreshes"])
-        assert sum(r["subspace"] for r in c["refreshes"]) > 0
+        assert sum(r["subspace"] + r["kept"] for r in c["refreshes"]) > 0
+        for total, timed in zip(c["refreshes"], c["timed_refreshes"]):  # the measured cycles' share of them
+            assert all(0 <= timed[how] <= total[how] for how in ("full", "subspace", "kept"))
         floor = c["floor"]
         assert set(floor) == SCHEMA["floor"] and floor["ratio"] > 1
         # The measured overhead in units of the floor's, from the recorded means (its sign is timing noise: at smoke

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, UNDERFLOW, Range
+from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, UNDERFLOW, UNIT, Range
 from .schedules import PiecewiseSchedule, resolve
 
 PLACEMENT_PRESETS = ("comm-opt", "hybrid-opt", "mem-opt")
@@ -132,6 +132,7 @@ class KFACConfig(BaseModel):
     eigenbasis_moments: bool = False
     basis_update: Literal["subspace", "eigh", "exact"] = "subspace"
     basis_max_drift: _number(FRACTION) = 0.5
+    basis_keep_drift: _number(UNIT) = 0.0
     eigenbasis_max_dim: Optional[_number(POSITIVE_INTEGER)] = None
     tied_layers: Literal["skip", "precondition"] = "skip"
     grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
@@ -167,6 +168,18 @@ class KFACConfig(BaseModel):
             raise ValueError(
                 "true cannot be combined with async_decompositions: true (spreading refreshes over the cycle and "
                 "running them in the background are two answers to one cost: keep one)"
+            )
+        return v
+
+    @field_validator("basis_keep_drift")
+    @classmethod
+    def _keep_below_full(cls, v: float, info: ValidationInfo) -> float:
+        # Declared after basis_max_drift, so it is in info.data when it is valid.
+        most = info.data.get("basis_max_drift")
+        if most is not None and v > most:
+            raise ValueError(
+                f"{v!r} is above basis_max_drift={most!r}: a side that drifted that far is decomposed in full, "
+                f"so it cannot keep its basis"
             )
         return v
 

@@ -61,11 +61,11 @@ class Reporting:
     def metrics(self) -> dict[str, float]:
         """K-FAC's scalars by name, for a training log: ``kfac/steps``, ``kfac/nu`` (with ``kl_clip``),
         ``kfac/seconds/<phase>`` (:attr:`timings`), ``kfac/count/<counter>`` (:attr:`counters`), the curvature
-        options (:meth:`option_metrics`), ``kfac/refresh/full`` and ``kfac/refresh/subspace`` (the sides this process
-        decomposed in full or updated by a subspace step, ``basis_update``), ``kfac/refresh/drift_mean`` and
-        ``kfac/refresh/drift_max`` (over the warm starts' drift tests so far; where some ran) and, with adaptive refresh,
-        ``kfac/interval/<layer>.<A/G>``. DeepSpeed's
-        monitor and ``ds_kfac.hf.KFACTrainer`` both write these."""
+        options (:meth:`option_metrics`), ``kfac/refresh/full``, ``kfac/refresh/subspace`` and ``kfac/refresh/kept``
+        (the sides this process decomposed in full, updated by a subspace step or kept, ``basis_update``),
+        ``kfac/refresh/drift_mean`` and ``kfac/refresh/drift_max`` (over the warm starts' drift tests so far; where
+        some ran) and, with adaptive refresh, ``kfac/interval/<layer>.<A/G>``. DeepSpeed's monitor and
+        ``ds_kfac.hf.KFACTrainer`` both write these."""
         metrics = {"kfac/steps": float(self.steps), **self.option_metrics()}
         if self.last_nu is not None:
             metrics["kfac/nu"] = float(self.last_nu)
@@ -74,7 +74,7 @@ class Reporting:
         if self.refresh is not None:
             metrics.update({f"kfac/interval/{key}": float(n) for key, n in self.refresh.intervals().items()})
         solvers = {id(s): s for b in self.blocks if (s := getattr(b.method, "solver", None)) is not None}
-        for how in ("full", "subspace"):  # this process's refreshes by how they were computed (basis_update)
+        for how in ("full", "subspace", "kept"):  # this process's refreshes by how they were computed (basis_update)
             metrics[f"kfac/refresh/{how}"] = float(sum(s.counts[how] for s in solvers.values()))
         tested = sum(s.drifts["count"] for s in solvers.values())
         if tested:

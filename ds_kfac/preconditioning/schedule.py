@@ -34,6 +34,15 @@ def _uncurved(block: CurvatureBlock, state: Optional[tuple], no: torch.Tensor) -
     return no if flag is None else flag.to(no.device)
 
 
+def _unchanged(block: CurvatureBlock, state: State, no: torch.Tensor) -> list[torch.Tensor]:
+    """Per tensor of ``state``, a candidate decomposition of ``block``, whether it equals the installed one's
+    bit for bit (device bools; ``no`` throughout where none is installed)."""
+    old = block.decomposition
+    if old is None:
+        return [no] * len(state)
+    return [~no if t is o else (t == o).all().to(no.device) for t, o in zip(state, old)]
+
+
 class DecompositionSchedule:
     """Decides at which steps factors are updated and decomposed, and runs the decompositions due."""
 
@@ -128,20 +137,25 @@ class DecompositionSchedule:
         self._adopt(*self.distributor.decompose(self._seen_blocks(), damping, due))
 
     def _adopt(self, chosen: list[CurvatureBlock], states: list[State]) -> None:
-        """Install the candidate decompositions that are finite; keep the previous ones of the others."""
+        """Install the candidate decompositions that are finite; keep the previous ones of the others. A candidate's
+        tensor equal to the installed one (a side not refreshed, or one that kept its basis: ``basis_keep_drift``)
+        is installed as that same tensor, on every rank alike, so a kept basis moves no moments."""
         candidates = list(zip(chosen, states))
         if not candidates:
             return
         device = blocks_device(self.blocks)
         no = torch.zeros((), dtype=torch.bool, device=device)
         flags = [
-            torch.stack([all_finite(state).to(device), _uncurved(block, state, no)]) for block, state in candidates
+            torch.stack([all_finite(state).to(device), _uncurved(block, state, no), *_unchanged(block, state, no)])
+            for block, state in candidates
         ]
-        ok = torch.stack(flags).tolist()  # the one host sync of a decomposition step
+        values = iter(torch.cat(flags).tolist())  # the one host sync of a decomposition step
         failed, uncurved = [], []
-        for (block, state), (good, flat) in zip(candidates, ok):
+        for block, state in candidates:
+            good, flat, same = next(values), next(values), [next(values) for _ in state]
             if good:
-                block.install(state)
+                old = block.decomposition
+                block.install(tuple(o if kept else t for t, o, kept in zip(state, old or state, same)))
                 if flat:
                     uncurved.append(block.name)
             else:

@@ -169,6 +169,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "refresh_spread": ["true", 1, None],
     "basis_update": [True, None, "qr", 1],
     "basis_max_drift": ["0.5", True, None],
+    "basis_keep_drift": ["0.1", True, None],
     "factor_micro_batches": [True, "4", 2.5, [1]],
 }
 
@@ -188,6 +189,7 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "batchnorm": [("unit-wise", "unit-wise"), ("none", "none")],
     "basis_update": [("subspace", "subspace"), ("eigh", "eigh"), ("exact", "exact")],
     "basis_max_drift": [(1, 1.0), (0.25, 0.25)],
+    "basis_keep_drift": [(0, 0.0), (0.5, 0.5)],
     "refresh_spread": [(True, True), (False, False)],
 }
 

@@ -130,6 +130,7 @@ def train(scenario: dict) -> dict:
         else None,
         "holders": layout.block_holders(kfac.blocks) if kfac else None,
         "kfac": kfac.state_dict() if kfac else None,
+        "metrics": kfac.metrics() if kfac else None,
         "comm": comm,
         "start": initialize_bytes,
         "memory": kfac.memory_usage() if kfac else None,
