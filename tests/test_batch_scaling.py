@@ -23,12 +23,46 @@ def test_batch_shapes_grow_by_accumulation_beyond_the_largest_micro_batch() -> N
     with pytest.raises(ValueError, match="not a multiple of the micro-batch"):
         bs.shape(2 * 200, 128)
     config = bs.configure(
-        json.loads((ROOT / "configs/resnet_sgd_cpu.json").read_text()), bs.LADDERS["resnet"], 1024, 0.3, 50
+        json.loads((ROOT / "configs/resnet_sgd_cpu.json").read_text()), bs.LADDERS["resnet"], "base", 1024, 0.3, 50
     )
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (128, 4)
     assert config["optimizer"]["params"]["lr"] == config["scheduler"]["params"]["warmup_max_lr"] == 0.3
     assert config["resnet"]["steps"] == config["scheduler"]["params"]["total_num_steps"] == 50
     assert config["scheduler"]["params"]["warmup_num_steps"] == 4  # 8% of the budget
+
+
+def test_phase2_ladder_sets_each_arms_own_rate_and_budgets_in_steps() -> None:
+    """BERT phase 2: each arm's rate at its own key (ds_kfac's Adam rate; Muon's for the matrices K-FAC leaves kept),
+    the batch by accumulation past 32 per rank, the budget in steps per batch, the size's target, and phase 1 as the
+    BERT ladder's (the demo's LAMB phase 1)."""
+    ladder = bs.LADDERS["bert-phase2"]
+    assert list(ladder.arms) == ["adamw", "soap", "kfac"] and ladder.reference == "adamw"
+    rates = {"adamw": ("optimizer", "lr"), "soap": ("client_optimizer", "lr"), "kfac": ("optimizer", "adam_lr")}
+    for arm, (section, key) in rates.items():
+        base = json.loads((ROOT / ladder.arms[arm].config).read_text())
+        config = bs.configure(base, ladder, arm, 2048, 0.016, 50)
+        assert config[section]["params"][key] == 0.016
+        assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (32, 32)
+        assert config["bert"]["max_steps"] == 50
+        rest = {k: v for k, v in config[section]["params"].items() if k != key}
+        assert rest == {k: v for k, v in base[section]["params"].items() if k != key}  # muon_lr among them
+    assert [bs.budget(ladder, b, ladder.samples, None) for b in (256, 1024, 2048, 512)] == [150, 75, 50, 75]
+    assert bs.budget(ladder, 2048, ladder.samples, 20) == 20  # --steps wins
+    assert bs.budget(bs.LADDERS["resnet"], 1024, 122_880, None) == 120  # samples / batch where no budgets
+    assert ladder.targets["2x128"] == 4.3 and set(ladder.targets) <= set(bs.sizes.SIZES)
+    assert bs.LADDERS["bert"].task.base_config == "configs/bert_cpu_phase1_lamb.json"  # phase 1 from scratch
+
+
+def test_grids_and_overrides_name_the_arm_they_do_not_know() -> None:
+    ladder = bs.LADDERS["bert-phase2"]
+    args = bs.argparse.Namespace(lrs=[0.004], kfac_lrs=None, arm_lrs=["soap=0.002,0.004"], set=["a=1"])
+    args.set_base, args.set_arm = ["b=2"], ["soap:c=3"]
+    assert bs._grids(ladder, args) == {"adamw": [0.004], "soap": [0.002, 0.004], "kfac": [0.004]}
+    assert bs._sets(ladder, args) == {"adamw": ["b=2"], "soap": ["c=3"], "kfac": ["a=1"]}
+    with pytest.raises(SystemExit, match="'sgd=0.1'.*adamw"):
+        bs._grids(ladder, bs.argparse.Namespace(lrs=None, kfac_lrs=None, arm_lrs=["sgd=0.1"]))
+    with pytest.raises(SystemExit, match="'soap=1'.*ARM:KEY=JSON"):
+        bs._sets(ladder, bs.argparse.Namespace(set=[], set_base=[], set_arm=["soap=1"]))
 
 
 def _run(arm: str, batch: int, lr: float, seed: int, steps: float | None) -> dict:
@@ -64,6 +98,29 @@ def test_best_points_pick_each_arms_fastest_learning_rate_and_take_medians_over_
     assert ratios["256"]["steps"] == pytest.approx(36 / 64) and ratios["1024"] == {"steps": None, "seconds": None}
     result = {"task": "resnet", "best": best, "ratios": ratios}
     assert "| 256 (128 x 1 x 2) | 0.2 | 64 | 6.4 | 0.2 | 36 | 3.6 | 0.56 | 0.56 | 3 |" in bs.table(result)
+
+
+def test_three_arms_report_kfac_against_the_reference_and_the_best_other_arm() -> None:
+    """With peers, each batch's best other arm may change: K-FAC is divided by the reference (AdamW) and by whichever
+    other arm reached the target in the fewest steps there."""
+    runs = [
+        _run("adamw", 256, 0.008, 0, 100.0),
+        _run("soap", 256, 0.008, 0, 80.0),
+        _run("kfac", 256, 0.008, 0, 60.0),
+        _run("adamw", 2048, 0.016, 0, 30.0),
+        _run("soap", 2048, 0.016, 0, None),
+        _run("kfac", 2048, 0.016, 0, 12.0),
+    ]
+    summary = bs.summary(bs.best_points(runs, ["adamw", "soap", "kfac"]))
+    assert summary["ratios"]["256"]["steps"] == pytest.approx(0.6)
+    assert summary["ratios"]["2048"]["steps"] == pytest.approx(0.4)
+    assert summary["peer_ratios"]["256"] == {"peer": "soap", "steps": 0.75, "seconds": 0.75}
+    assert summary["peer_ratios"]["2048"]["peer"] == "adamw"  # SOAP never reached it at 2048
+    text = bs.table({"task": "bert-phase2", **summary})
+    assert "| K-FAC/adamw steps | K-FAC/adamw wall | K-FAC/best other steps |" in text
+    row = "| 2048 (32 x 32 x 2) | 0.016 | 30 | 3.0 | never | never | never | 0.016 | 12 | 1.2 | 0.40 | 0.40 | 0.40 | 0.40 | adamw | 1 |"
+    assert row in text
+    assert "bert-phase2" not in text and "peer_ratios" not in bs.summary(bs.best_points(runs[:1] + runs[2:3]))
 
 
 def smoke_command(out: Path) -> list[str]:
