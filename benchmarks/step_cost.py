@@ -152,6 +152,7 @@ from time_to_target import apply_overrides, free_port, versions  # noqa: E402
 import ds_kfac  # noqa: E402
 from ds_kfac import KFACConfig, KFACPreconditioner, Lamb, build_optimizer  # noqa: E402
 from ds_kfac.config.schema import DTYPES  # noqa: E402
+from ds_kfac.curvature import REFRESH_KINDS  # noqa: E402
 from ds_kfac.optimizers import resolve_lamb, split_groups  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
 from ds_kfac.preconditioning.build import preconditioned_parameters  # noqa: E402
@@ -596,10 +597,9 @@ def kfac_optimizer(
     return make(params)
 
 
-def refresh_counts(kfac: KFACPreconditioner) -> dict[str, int]:
-    """This rank's refreshes so far by how they were computed (``kfac/refresh/<how>``)."""
-    metrics = kfac.metrics()
-    return {how: int(metrics[f"kfac/refresh/{how}"]) for how in ("full", "subspace", "kept")}
+def refresh_counts(metrics: dict[str, float]) -> dict[str, int]:
+    """A rank's refreshes so far by how they were computed, from its ``kfac.metrics()`` (``kfac/refresh/<how>``)."""
+    return {how: int(metrics[f"kfac/refresh/{how}"]) for how in REFRESH_KINDS}
 
 
 def peak_rss_bytes() -> int:
@@ -652,11 +652,11 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     rss_kfac = peak_rss_bytes()
 
     records: dict[str, list[Record]] = {"base": [], "kfac": []}
-    untimed = refresh_counts(kfac)
+    untimed = refresh_counts(kfac.metrics())
     for cycle in range(spec["cycles"]):
         records["base"] += run_cycle(base, pool, ga, cadence, cycle, workload, world, now)
         records["kfac"] += run_cycle(arm, pool, ga, cadence, cycle, workload, world, now)
-    timed = {how: n - untimed[how] for how, n in refresh_counts(kfac).items()}
+    timed = {how: n - untimed[how] for how, n in refresh_counts(kfac.metrics()).items()}
     # Untimed steps up to the next factor step, then its state with the step's statistics still held,
     # after the last backward and before kfac.step() hands them over.
     in_step: dict[str, int] = {}
@@ -673,7 +673,7 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     return {
         "records": records,
         "refreshes": {
-            **refresh_counts(kfac),
+            **refresh_counts(metrics),
             **{k: metrics[f"kfac/refresh/{k}"] for k in ("drift_mean", "drift_max") if f"kfac/refresh/{k}" in metrics},
         },
         "timed_refreshes": timed,

@@ -1,7 +1,7 @@
 """Curvature: Kronecker factors, their decompositions, and per-layer blocks."""
 
 from .background import Background
-from .basis import BasisSolver, solver_for
+from .basis import REFRESH_KINDS, BasisSolver, solver_for
 from .block import CurvatureBlock, KFACBlock, blocks_device
 from .correction import EigenvalueCorrection
 from .decomposition import (
@@ -25,6 +25,7 @@ __all__ = [
     "AdaptiveRefresh",
     "Background",
     "BasisSolver",
+    "REFRESH_KINDS",
     "CurvatureBlock",
     "Decomposition",
     "EigenDecomposition",

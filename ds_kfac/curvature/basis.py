@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from ..config import KFACConfig
 
 State = tuple[torch.Tensor, ...]
+REFRESH_KINDS = ("full", "subspace", "kept")
+"""How a refresh computed a side (:attr:`BasisSolver.counts`' keys; the metrics ``kfac/refresh/<kind>``)."""
 Previous = tuple[Optional[State], Optional[State]]
 """A layer's current ``A`` and ``G`` sides (``None`` where it has none yet): where a refresh may start from."""
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..config import KFACConfig
-from ..curvature import AdaptiveRefresh, CurvatureBlock, KFACBlock, StackedStates, UnitWiseBlock
+from ..curvature import REFRESH_KINDS, AdaptiveRefresh, CurvatureBlock, KFACBlock, StackedStates, UnitWiseBlock
 from ..timing import PhaseTimer
 
 
@@ -74,7 +74,7 @@ class Reporting:
         if self.refresh is not None:
             metrics.update({f"kfac/interval/{key}": float(n) for key, n in self.refresh.intervals().items()})
         solvers = {id(s): s for b in self.blocks if (s := getattr(b.method, "solver", None)) is not None}
-        for how in ("full", "subspace", "kept"):  # this process's refreshes by how they were computed (basis_update)
+        for how in REFRESH_KINDS:  # this process's refreshes by how they were computed (basis_update)
             metrics[f"kfac/refresh/{how}"] = float(sum(s.counts[how] for s in solvers.values()))
         tested = sum(s.drifts["count"] for s in solvers.values())
         if tested:
