@@ -18,7 +18,8 @@ rotated by one at every grid point::
         runs/bs_256/batch_scaling_bert.json runs/bs_256_08/batch_scaling_bert.json
 
 The ladders: ``resnet`` and ``bert`` (BERT phase 1 from scratch) have two arms, the base optimizer and the same
-with K-FAC; ``bert-phase2`` is the BERT demo's phase 2 at a size of ``benchmarks/ladder.py``'s (``--size``, from
+with K-FAC; ``resnet-peers`` adds SOAP between SGD and K-FAC at 1,024 and 4,096 (budgets 120 and 60 steps);
+``bert-phase2`` is the BERT demo's phase 2 at a size of ``benchmarks/ladder.py``'s (``--size``, from
 that size's LAMB phase-1 checkpoint, built once) with tuned AdamW, SOAP and ds_kfac's shipped config (its Adam
 rate, ``adam_lr``, on the grid; Muon's rate for the three matrices K-FAC leaves stays the config's), budgets in
 steps per batch (the target comes in fewer steps at larger batches) and a target per size. The first arm is the
@@ -90,10 +91,11 @@ def _pair(task: Task, lr_keys: tuple[str, ...]) -> dict[str, Arm]:
     return {"base": Arm(task.base_config, lr_keys), KFAC: Arm(task.kfac_config, lr_keys)}
 
 
+RESNET_RATE = ("optimizer.params.lr", "scheduler.params.warmup_max_lr")
 LADDERS = {
     "resnet": Ladder(
         TASKS["resnet"],
-        _pair(TASKS["resnet"], ("optimizer.params.lr", "scheduler.params.warmup_max_lr")),
+        _pair(TASKS["resnet"], RESNET_RATE),
         ("resnet.steps", "scheduler.params.total_num_steps"),
         "scheduler.params.warmup_num_steps",
         128,
@@ -102,6 +104,25 @@ LADDERS = {
         (256, 1024, 4096),
         (0.2, 0.4, 0.8),
         ("--train-size", "2048", "--held-out-size", "256"),
+    ),
+    "resnet-peers": Ladder(
+        TASKS["resnet"],
+        {
+            "sgd": Arm(TASKS["resnet"].base_config, RESNET_RATE),
+            "soap": Arm(
+                "configs/resnet_soap_cpu.json", ("client_optimizer.params.lr", "scheduler.params.warmup_max_lr")
+            ),
+            KFAC: Arm(TASKS["resnet"].kfac_config, RESNET_RATE),
+        },
+        ("resnet.steps", "scheduler.params.total_num_steps"),
+        "scheduler.params.warmup_num_steps",
+        128,
+        122_880,
+        0.95,
+        (1024, 4096),
+        (0.2, 0.4, 0.8),
+        ("--train-size", "2048", "--held-out-size", "256"),
+        budgets={1024: 120, 4096: 60},  # the demo's 120 steps; at 4,096 its 30 (the samples) reached nothing
     ),
     "bert": Ladder(
         TASKS["bert-phase1"],

@@ -31,10 +31,10 @@ def test_batch_shapes_grow_by_accumulation_beyond_the_largest_micro_batch() -> N
     assert config["scheduler"]["params"]["warmup_num_steps"] == 4  # 8% of the budget
 
 
-def test_phase2_ladder_sets_each_arms_own_rate_and_budgets_in_steps() -> None:
+def test_peer_ladders_set_each_arms_own_rate_and_budgets_in_steps() -> None:
     """BERT phase 2: each arm's rate at its own key (ds_kfac's Adam rate; Muon's for the matrices K-FAC leaves kept),
     the batch by accumulation past 32 per rank, the budget in steps per batch, the size's target, and phase 1 as the
-    BERT ladder's (the demo's LAMB phase 1)."""
+    BERT ladder's (the demo's LAMB phase 1); ResNet's SOAP at both of its rate keys."""
     ladder = bs.LADDERS["bert-phase2"]
     assert list(ladder.arms) == ["adamw", "soap", "kfac"] and ladder.reference == "adamw"
     rates = {"adamw": ("optimizer", "lr"), "soap": ("client_optimizer", "lr"), "kfac": ("optimizer", "adam_lr")}
@@ -51,6 +51,12 @@ def test_phase2_ladder_sets_each_arms_own_rate_and_budgets_in_steps() -> None:
     assert bs.budget(bs.LADDERS["resnet"], 1024, 122_880, None) == 120  # samples / batch where no budgets
     assert ladder.targets["2x128"] == 4.3 and set(ladder.targets) <= set(bs.sizes.SIZES)
     assert bs.LADDERS["bert"].task.base_config == "configs/bert_cpu_phase1_lamb.json"  # phase 1 from scratch
+    resnet = bs.LADDERS["resnet-peers"]
+    soap = bs.configure(json.loads((ROOT / resnet.arms["soap"].config).read_text()), resnet, "soap", 4096, 0.2, 60)
+    assert soap["client_optimizer"]["params"]["lr"] == soap["scheduler"]["params"]["warmup_max_lr"] == 0.2
+    assert (soap["train_micro_batch_size_per_gpu"], soap["gradient_accumulation_steps"]) == (128, 16)
+    assert soap["resnet"]["steps"] == soap["scheduler"]["params"]["total_num_steps"] == 60
+    assert bs.budget(resnet, 4096, resnet.samples, None) == 60 and list(resnet.arms) == ["sgd", "soap", "kfac"]
 
 
 def test_grids_and_overrides_name_the_arm_they_do_not_know() -> None:
