@@ -170,14 +170,28 @@ def shape(batch: int, max_micro: int) -> tuple[int, int]:
     return micro, per_rank // micro
 
 
-def budget(ladder: Ladder, batch: int, samples: int, steps: Optional[int]) -> int:
-    """A run's steps at ``batch``: ``steps`` when given, else the ladder's budget for the batch, else
-    ``samples / batch``."""
+def budget(
+    ladder: Ladder, batch: int, samples: int, steps: Optional[int], budgets: Optional[dict[int, int]] = None
+) -> int:
+    """A run's steps at ``batch``: ``steps`` when given, else its entry in ``budgets`` (``--budget``), else the
+    ladder's budget for the batch, else ``samples / batch``."""
     if steps:
         return steps
-    if ladder.budgets and batch in ladder.budgets:
-        return ladder.budgets[batch]
+    for given in (budgets, ladder.budgets):
+        if given and batch in given:
+            return given[batch]
     return max(1, samples // batch)
+
+
+def parse_budgets(specs: Sequence[str]) -> dict[int, int]:
+    """``--budget BATCH=STEPS`` values as a dict; a malformed one is refused, named."""
+    out = {}
+    for spec in specs:
+        batch, _, steps = spec.partition("=")
+        if not (batch.isdigit() and steps.isdigit() and int(batch) > 0 and int(steps) > 0):
+            raise SystemExit(f"--budget {spec!r}: expected BATCH=STEPS, both positive integers")
+        out[int(batch)] = int(steps)
+    return out
 
 
 def configure(base: dict[str, Any], ladder: Ladder, arm: str, batch: int, lr: float, steps: int) -> dict[str, Any]:
@@ -379,7 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     order = 0
 
     def one(arm: str, batch: int, lr: float, seed: int) -> None:
-        steps = budget(ladder, batch, args.samples, args.steps)
+        steps = budget(ladder, batch, args.samples, args.steps, args.budgets)
         name = f"{arm}-b{batch}-lr{lr:g}-seed{seed}"
         path = out / "configs" / f"{name}.json"
         path.write_text(json.dumps(configure(bases[arm], ladder, arm, batch, lr, steps), indent=1))
@@ -424,7 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "target": args.target,
             "samples": args.samples,
             "steps": args.steps,
-            "budgets": {str(b): budget(ladder, b, args.samples, args.steps) for b in batches},
+            "budgets": {str(b): budget(ladder, b, args.samples, args.steps, args.budgets) for b in batches},
             "size": args.size if ladder.targets is not None else None,
             "phase1": None if phase1 is None else Path(phase1).name,
             "batches": batches,
@@ -497,6 +511,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--seeds", type=int, nargs="+", default=[0], help="the first runs the grids, the others the best")
     r.add_argument("--samples", type=int, help="training samples per run (default: the task's)")
     r.add_argument("--steps", type=int, help="steps per run, whatever the batch (overrides budgets and --samples)")
+    r.add_argument("--budget", action="append", default=[], metavar="BATCH=STEPS", help="steps per run at a batch")
     r.add_argument("--target", type=float, help="held-out target (default: the task's, or its size's)")
     r.add_argument("--size", choices=sorted(sizes.SIZES), default="2x128", help="bert-phase2: the model size")
     r.add_argument("--phase1-steps", type=int, default=1500, help="bert-phase2: phase 1's LAMB steps at the size")
@@ -518,6 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.command == "run":
         ladder = LADDERS[args.task]
         args.samples = args.samples or ladder.samples
+        args.budgets = parse_budgets(args.budget)
         if args.target is None:
             args.target = ladder.target if ladder.targets is None else ladder.targets[args.size]
         run(args)

@@ -48,6 +48,9 @@ def test_peer_ladders_set_each_arms_own_rate_and_budgets_in_steps() -> None:
         assert rest == {k: v for k, v in base[section]["params"].items() if k != key}  # muon_lr among them
     assert [bs.budget(ladder, b, ladder.samples, None) for b in (256, 1024, 2048, 512)] == [150, 75, 50, 75]
     assert bs.budget(ladder, 2048, ladder.samples, 20) == 20  # --steps wins
+    assert bs.budget(ladder, 2048, ladder.samples, None, bs.parse_budgets(["2048=80"])) == 80  # then --budget
+    with pytest.raises(SystemExit, match="'2048=0'.*BATCH=STEPS"):
+        bs.parse_budgets(["2048=0"])
     assert bs.budget(bs.LADDERS["resnet"], 1024, 122_880, None) == 120  # samples / batch where no budgets
     assert ladder.targets["2x128"] == 4.3 and set(ladder.targets) <= set(bs.sizes.SIZES)
     assert bs.LADDERS["bert"].task.base_config == "configs/bert_cpu_phase1_lamb.json"  # phase 1 from scratch
