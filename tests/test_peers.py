@@ -108,6 +108,23 @@ def test_client_optimizer_draws_alike_on_every_rank_and_leaves_the_callers_strea
     assert replicas[0][1] == replicas[1][1] == 3  # saved with the optimizer's state, so a resume draws on
 
 
+def test_client_optimizer_draws_on_where_a_wrapper_replaced_its_groups() -> None:
+    """ZeRO 1/2's wrapper gives the optimizer new param groups (its flat partitions), without the step count: the
+    draws go on from the count kept beside them, the same as an optimizer whose groups stayed, and the count is in
+    the new groups again after the step (so a checkpoint saves it)."""
+    spec = {"class": f"{__name__}._Noisy", "params": {"lr": 0.5}}
+    runs = []
+    for replace in (False, True):
+        weight = torch.nn.Parameter(torch.zeros(4))
+        optimizer = build_client_optimizer(spec, [weight], seed=7)
+        optimizer.step()
+        if replace:
+            optimizer.param_groups = [{"params": [weight], "lr": 0.5}]
+        optimizer.step()
+        runs.append((weight.detach().clone(), optimizer.param_groups[0][STEP_KEY]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] == 2
+
+
 def test_client_optimizer_section_errors_name_the_problem() -> None:
     params = torch.nn.Linear(2, 2).parameters()
     with pytest.raises(ValueError, match="dotted path"):

@@ -42,8 +42,14 @@ SCENARIOS = {
     "local_stage0": {"kfac": {**MEM_OPT, "factor_reduction": "local"}},
     "corrected": {"ds": STAGE3, "kfac": {**MEM_OPT, "eigenvalue_correction": True}},
     "batchnorm": {"ds": STAGE3, "kfac": {**MEM_OPT, "batchnorm": "unit-wise"}, "model": "batchnorm"},
+    # The optimizer built by the script and handed to initialize (a "client_optimizer" section), under ZeRO 3.
+    "client": {
+        "ds": {**STAGE3, "zero_allow_untested_optimizer": True},
+        "kfac": MEM_OPT,
+        "client_optimizer": {"class": "torch.optim.SGD", "params": {"lr": 0.1}},
+    },
 }
-FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected", "batchnorm")
+FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected", "batchnorm", "client")
 RESUMED = {"allreduce": "resumed", "corrected": "resumed_corrected"}
 """Scenarios saved after step SAVE_AT, and the scenario resuming each."""
 

@@ -87,9 +87,13 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
     ``(seed, step)`` and restored afterwards, so random draws inside the step agree across ranks and leave the
     caller's streams (dropout, data order) as they were. The step count lives in the first param group
     (``STEP_KEY``), so it is saved with the optimizer's state and a resumed run draws what the uninterrupted one
-    would."""
+    would; it is written there again after every step, because ZeRO 1/2's wrapper replaces the groups of the
+    optimizer it partitions (without the key), and kept here meanwhile."""
     saved: dict[str, Any] = {}
-    optimizer.param_groups[0].setdefault(STEP_KEY, 0)
+    taken = [optimizer.param_groups[0].setdefault(STEP_KEY, 0)]  # the count, where the groups lost it
+
+    def steps(opt: torch.optim.Optimizer) -> int:
+        return opt.param_groups[0].get(STEP_KEY, taken[0])
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         import numpy as np
@@ -97,7 +101,7 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
         saved.update(torch=torch.random.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
         if torch.cuda.is_initialized():  # manual_seed seeds every CUDA device too: the caller's dropout streams
             saved.update(cuda=torch.cuda.get_rng_state_all())
-        step_seed = (seed * 1_000_003 + opt.param_groups[0][STEP_KEY]) % 2**31
+        step_seed = (seed * 1_000_003 + steps(opt)) % 2**31
         torch.manual_seed(step_seed)
         np.random.seed(step_seed)
         random.seed(step_seed)
@@ -110,7 +114,7 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
         random.setstate(saved["python"])
         if "cuda" in saved:
             torch.cuda.set_rng_state_all(saved.pop("cuda"))
-        opt.param_groups[0][STEP_KEY] += 1
+        taken[0] = opt.param_groups[0][STEP_KEY] = steps(opt) + 1
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
