@@ -4,6 +4,7 @@ K-FAC's layers (ds_kfac/optimizers/muon.py)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -84,14 +85,11 @@ def test_without_kfac_layers_it_is_deepspeeds_json_muon(engines: list) -> None:
     assert not torch.equal(before["body.weight"], ours.body.weight)  # can fail: the steps do move the weights
 
 
-def _kfac_engine(engines: list, optimizer: dict, model: nn.Module, **extra: Any):
-    config = {
-        "train_batch_size": 1,
-        "gradient_clipping": 0.0,
-        "optimizer": optimizer,
-        "kfac": {"eigenbasis_moments": True, "skip_layers": ["^head"], "factor_update_steps": 1, "inv_update_steps": 1},
-        **extra,
-    }
+KFAC = {"eigenbasis_moments": True, "skip_layers": ["^head"], "factor_update_steps": 1, "inv_update_steps": 1}
+
+
+def _kfac_engine(engines: list, optimizer: dict, model: nn.Module, kfac: dict = KFAC, **extra: Any):
+    config = {"train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": optimizer, "kfac": kfac, **extra}
     engine, opt, *_ = ds_kfac.initialize(model=model, model_parameters=_groups(model), config=config)
     engines.append(engine)
     return engine, opt
@@ -169,3 +167,49 @@ def test_state_dict_resumes_bitwise() -> None:
     steps(resumed, second, range(2, 4))
     for (name, got), want in zip(resumed.named_parameters(), straight.parameters()):
         assert torch.equal(got, want), name
+
+
+def _train(engine: Any, steps: range) -> None:
+    for step in steps:
+        engine.backward(_loss(engine.module, step))
+        engine.step()
+
+
+def test_a_muon_half_with_no_matrix_is_the_keys_adam(engines: list) -> None:
+    """K-FAC registers both matrices (nothing skipped), so no parameter is left for Muon: no Muon group, and three
+    steps equal JSON AdamW with the key bitwise."""
+    torch.manual_seed(0)
+    models = [Tiny(), Tiny()]
+    models[1].load_state_dict(models[0].state_dict())
+    kfac = {**KFAC, "skip_layers": []}
+    muon, opt = _kfac_engine(engines, {"type": "Muon", "params": MUON}, models[0], kfac)
+    adamw = {"lr": MUON["adam_lr"], "weight_decay": MUON["weight_decay"], "betas": MUON["betas"], "eps": MUON["eps"]}
+    adam, _ = _kfac_engine(engines, {"type": "AdamW", "params": adamw}, models[1], kfac)
+    assert not any(g[MUON_KEY] for g in opt.param_groups)
+    for engine in (muon, adam):
+        _train(engine, range(3))
+    for (name, got), want in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(got, want), name
+
+
+def test_resume_across_a_refresh_with_the_muon_half_is_bitwise(engines: list, tmp_path: Path) -> None:
+    """A DeepSpeed checkpoint after step 3 of 6, K-FAC refreshing every 2 steps: the Muon half's momentum buffers,
+    the key's moments and K-FAC's state come back, and the resumed run equals the uninterrupted one bitwise."""
+    torch.manual_seed(0)
+    models = [Tiny() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    kfac = {**KFAC, "inv_update_steps": 2}
+    optimizer = {"type": "Muon", "params": MUON}
+    straight, _ = _kfac_engine(engines, optimizer, models[0], kfac)
+    _train(straight, range(6))
+    interrupted, _ = _kfac_engine(engines, optimizer, models[1], kfac)
+    _train(interrupted, range(3))
+    interrupted.save_checkpoint(str(tmp_path), tag="step3")
+    resumed, _ = _kfac_engine(engines, optimizer, models[2], kfac)
+    resumed.load_checkpoint(str(tmp_path), tag="step3")
+    assert resumed.kfac.steps == 3
+    _train(resumed, range(3, 6))
+    for (name, got), want in zip(models[2].named_parameters(), models[0].parameters()):
+        assert torch.equal(got, want), name
+    assert not torch.equal(models[2].head.weight, models[1].head.weight)  # can fail: the resumed steps moved it
