@@ -127,7 +127,13 @@ def test_kfac_layers_take_the_keys_adam_and_the_others_muon(engines: list) -> No
 
 @pytest.mark.parametrize(
     ("extra", "given"),
-    [({"zero_optimization": {"stage": 1}}, "ZeRO stage 1"), ({"bf16": {"enabled": True}}, "ZeRO stage 0, bf16")],
+    [
+        ({"zero_optimization": {"stage": 1}}, "ZeRO stage 1"),
+        ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2"),
+        ({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+        ({"bf16": {"enabled": True}}, "ZeRO stage 0, bf16"),
+        ({"fp16": {"enabled": True}}, "ZeRO stage 0, fp16"),
+    ],
 )
 def test_flat_partitions_are_refused(engines: list, extra: dict, given: str) -> None:
     with pytest.raises(KFACConfigError, match=f"optimizer type 'Muon'.*flat partitions; this config has {given}:"):
