@@ -232,6 +232,13 @@ def test_tied_key_on_a_model_without_tied_weights_says_it_changes_nothing() -> N
         warnings.simplefilter("always")
         KFACPreconditioner(tied, optimizer=_flagged(tied, keys), eigenbasis_moments=True, **keys)
     assert not [w for w in caught if "changes nothing" in str(w.message)]
+    skip = {**keys, "skip_layers": ["^decoder"]}  # the tied layer skipped by name: the warning names it and why
+    message = (
+        r"changes nothing: .*the tied layers are skipped: 'decoder' \(name matches skip_layers pattern '\^decoder'\)"
+    )
+    with pytest.warns(UserWarning, match=message):
+        kfac = KFACPreconditioner(tied, optimizer=_flagged(tied, skip), eigenbasis_moments=True, **skip)
+    assert [b.name for b in kfac.blocks] == ["first", "last"]
 
 
 def _flagged(model: nn.Module, keys: dict) -> torch.optim.Optimizer:

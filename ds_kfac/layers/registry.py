@@ -154,7 +154,7 @@ def find_layers(
         if tied and layers and not tied_found:
             warnings.warn(
                 'tied_layers: "precondition" changes nothing: no layer K-FAC registers shares a parameter with '
-                "another module (were the weights tied after K-FAC was attached?)",
+                f"another module ({_tied_skipped(model, skipped, owners)})",
                 UserWarning,
                 stacklevel=3,
             )
@@ -241,6 +241,18 @@ def _owners(model: nn.Module) -> Owners:
         for param_name, param in module.named_parameters(recurse=False):
             owners[param].append((module, module_name, f"{module_name}.{param_name}".lstrip(".")))
     return owners
+
+
+def _tied_skipped(model: nn.Module, skipped: list[SkippedLayer], owners: Owners) -> str:
+    """Why ``tied_layers`` found no tied layer: the skipped layers that are tied, with their reasons, or a guess."""
+    tied = [
+        f"{s.name!r} ({s.reason})"
+        for s in skipped
+        if _shared(s.name, module := model.get_submodule(s.name), module.parameters(recurse=False), owners)
+    ]
+    if tied:
+        return f"the tied layers are skipped: {', '.join(tied)}"
+    return "were the weights tied after K-FAC was attached?"
 
 
 def _shared(name: str, module: nn.Module, params: Iterable[nn.Parameter], owners: Owners) -> str:
