@@ -47,6 +47,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ladder as sizes  # noqa: E402
+import peers  # noqa: E402
 from time_to_target import ROOT, TASKS, Task, apply_overrides, crossing, launch, read_curve, versions  # noqa: E402
 
 WORLD = 2
@@ -280,12 +281,12 @@ def table(result: dict[str, Any]) -> str:
     arms = list(best)
     reference = arms[0]
     names = {arm: "K-FAC" if arm == KFAC else arm for arm in arms}
-    peers = len(arms) > 2
+    with_peers = len(arms) > 2
     header = f"| global batch (micro x accumulation x {WORLD}) | "
     header += " | ".join(f"{names[a]} lr | {names[a]} steps | {names[a]} s" for a in arms)
     header += f" | K-FAC/{reference} steps | K-FAC/{reference} wall |"
-    header += " K-FAC/best other steps | K-FAC/best other wall | best other |" if peers else ""
-    lines = [header + " seeds |", "|" + " --- |" * (header.count("|") - 1 + 1)]
+    header += " K-FAC/best other steps | K-FAC/best other wall | best other |" if with_peers else ""
+    lines = [header + " seeds |", "|" + " --- |" * header.count("|")]  # one column per "|" of the header so far
     ladder = LADDERS[result["task"]]
     for batch in sorted(best[reference], key=int):
         micro, accumulation = shape(int(batch), ladder.max_micro)
@@ -294,7 +295,7 @@ def table(result: dict[str, Any]) -> str:
             p = best[arm][batch]
             cells += [_fmt(p["lr"], "g"), _fmt(p["steps"], ".0f"), _fmt(p["seconds"], ".1f")]
         cells += [_fmt(rat[batch]["steps"], ".2f"), _fmt(rat[batch]["seconds"], ".2f")]
-        if peers:
+        if with_peers:
             q = result["peer_ratios"][batch]
             cells += [_fmt(q["steps"], ".2f"), _fmt(q["seconds"], ".2f"), q["peer"] or "none"]
         cells.append(str(min((best[arm][batch]["seeds"] for arm in arms if best[arm][batch]["seeds"]), default=0)))
@@ -358,14 +359,9 @@ def _grids(ladder: Ladder, args: argparse.Namespace) -> dict[str, list[float]]:
 
 def _sets(ladder: Ladder, args: argparse.Namespace) -> dict[str, list[str]]:
     """Each arm's config overrides: ``--set`` (K-FAC's), ``--set-base`` (the reference's), ``--set-arm ARM:KEY=JSON``."""
-    sets: dict[str, list[str]] = {arm: [] for arm in ladder.arms}
-    sets[KFAC] += args.set
-    sets[ladder.reference] += args.set_base
-    for spec in args.set_arm:
-        arm, _, override = spec.partition(":")
-        if arm not in ladder.arms or "=" not in override:
-            raise SystemExit(f"--set-arm {spec!r}: expected ARM:KEY=JSON with ARM one of {sorted(ladder.arms)}")
-        sets[arm].append(override)
+    sets = peers.parse_sets(args.set_arm, list(ladder.arms), "--set-arm")
+    sets[KFAC] = args.set + sets[KFAC]
+    sets[ladder.reference] = args.set_base + sets[ladder.reference]
     return sets
 
 

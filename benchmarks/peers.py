@@ -167,13 +167,13 @@ def read_steps(metrics_csv: Path) -> list[float]:
         return [float(row["seconds"]) for row in csv.DictReader(f)]
 
 
-def parse_sets(assignments: Sequence[str], arms: Sequence[str]) -> dict[str, list[str]]:
-    """``ARM:KEY=JSON`` assignments grouped by arm, each arm named checked."""
+def parse_sets(assignments: Sequence[str], arms: Sequence[str], flag: str = "--set") -> dict[str, list[str]]:
+    """``ARM:KEY=JSON`` assignments (of the option ``flag``) grouped by arm, each arm named checked."""
     out: dict[str, list[str]] = {arm: [] for arm in arms}
     for assignment in assignments:
         arm, sep, rest = assignment.partition(":")
         if not sep or arm not in out:
-            raise ValueError(f"--set expects ARM:KEY=JSON with ARM one of {list(arms)}, got {assignment!r}")
+            raise ValueError(f"{flag} expects ARM:KEY=JSON with ARM one of {list(arms)}, got {assignment!r}")
         out[arm].append(rest)
     return out
 

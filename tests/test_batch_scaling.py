@@ -70,7 +70,7 @@ def test_grids_and_overrides_name_the_arm_they_do_not_know() -> None:
     assert bs._sets(ladder, args) == {"adamw": ["b=2"], "soap": ["c=3"], "kfac": ["a=1"]}
     with pytest.raises(SystemExit, match="'sgd=0.1'.*adamw"):
         bs._grids(ladder, bs.argparse.Namespace(lrs=None, kfac_lrs=None, arm_lrs=["sgd=0.1"]))
-    with pytest.raises(SystemExit, match="'soap=1'.*ARM:KEY=JSON"):
+    with pytest.raises(ValueError, match="--set-arm expects ARM:KEY=JSON .*got 'soap=1'"):
         bs._sets(ladder, bs.argparse.Namespace(set=[], set_base=[], set_arm=["soap=1"]))
 
 

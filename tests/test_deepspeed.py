@@ -142,14 +142,16 @@ BF16_VARIANTS = {
     "stage0_bf16": {"bf16": {"enabled": True}},
     "stage2_bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
 }
-CLIENT_SGD = {"class": "torch.optim.SGD", "params": {"lr": 0.1}}
-"""The JSON optimizer's SGD as a ``"client_optimizer"`` section: built by the script, handed to ``initialize``."""
-UNTESTED = {"zero_allow_untested_optimizer": True}
-"""What DeepSpeed asks of a config whose ZeRO stage wraps a client optimizer it does not know."""
+CLIENT_SGD = {
+    "client_optimizer": {"class": "torch.optim.SGD", "params": {"lr": 0.1}},
+    "zero_allow_untested_optimizer": True,  # what DeepSpeed asks of ZeRO wrapping an optimizer it does not know
+}
+"""The JSON optimizer's SGD as the examples' ``"client_optimizer"`` section: built by the script, handed to
+``initialize``."""
 CLIENT_VARIANTS = {
-    "stage1_client": {**UNTESTED, "zero_optimization": {"stage": 1}},
-    "stage2_client": {**UNTESTED, "zero_optimization": {"stage": 2}},
-    "stage2_bf16_client": {**UNTESTED, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+    "stage1_client": {**CLIENT_SGD, "zero_optimization": {"stage": 1}},
+    "stage2_client": {**CLIENT_SGD, "zero_optimization": {"stage": 2}},
+    "stage2_bf16_client": {**CLIENT_SGD, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
 }
 """A client optimizer under ZeRO's optimizer wrappers, fp32 and bf16 (fp16 needs CUDA: the GPU bundle's tests)."""
 
@@ -159,10 +161,8 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list
     """Every 2-rank scenario of this module in one launch (each launch costs the ranks' start-up): the ZeRO, bf16
     and placement variants, and the loss-scale, checkpoint and other-world-size scenarios of the tests below."""
     out = tmp_path_factory.mktemp("equivalence")
-    variants = {**ZERO_VARIANTS, **BF16_VARIANTS}
+    variants = {**ZERO_VARIANTS, **BF16_VARIANTS, **CLIENT_VARIANTS}
     scenarios = {name: {"ds": ds, "kfac": KFAC, "steps": STEPS} for name, ds in variants.items()}
-    for name, ds in CLIENT_VARIANTS.items():
-        scenarios[name] = {"ds": ds, "kfac": KFAC, "steps": STEPS, "client_optimizer": CLIENT_SGD}
     for name, extra in PLACEMENT_VARIANTS.items():
         scenarios[name] = {
             "ds": extra.get("ds", {}),

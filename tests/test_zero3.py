@@ -44,9 +44,12 @@ SCENARIOS = {
     "batchnorm": {"ds": STAGE3, "kfac": {**MEM_OPT, "batchnorm": "unit-wise"}, "model": "batchnorm"},
     # The optimizer built by the script and handed to initialize (a "client_optimizer" section), under ZeRO 3.
     "client": {
-        "ds": {**STAGE3, "zero_allow_untested_optimizer": True},
+        "ds": {
+            **STAGE3,
+            "client_optimizer": {"class": "torch.optim.SGD", "params": {"lr": 0.1}},
+            "zero_allow_untested_optimizer": True,
+        },
         "kfac": MEM_OPT,
-        "client_optimizer": {"class": "torch.optim.SGD", "params": {"lr": 0.1}},
     },
 }
 FP32 = ("allreduce", "reduce_zero_init", "inverse", "outer_product_adaptive", "corrected", "batchnorm", "client")

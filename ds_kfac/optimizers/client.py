@@ -90,10 +90,10 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
     would; it is written there again after every step, because ZeRO 1/2's wrapper replaces the groups of the
     optimizer it partitions (without the key), and kept here meanwhile."""
     saved: dict[str, Any] = {}
-    taken = [optimizer.param_groups[0].setdefault(STEP_KEY, 0)]  # the count, where the groups lost it
+    taken = optimizer.param_groups[0].setdefault(STEP_KEY, 0)  # the count, where the groups lost it
 
     def steps(opt: torch.optim.Optimizer) -> int:
-        return opt.param_groups[0].get(STEP_KEY, taken[0])
+        return opt.param_groups[0].get(STEP_KEY, taken)
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         import numpy as np
@@ -107,6 +107,7 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
         random.seed(step_seed)
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nonlocal taken
         import numpy as np
 
         torch.random.set_rng_state(saved["torch"])
@@ -114,7 +115,7 @@ def same_random_on_every_rank(optimizer: torch.optim.Optimizer, seed: int) -> No
         random.setstate(saved["python"])
         if "cuda" in saved:
             torch.cuda.set_rng_state_all(saved.pop("cuda"))
-        taken[0] = opt.param_groups[0][STEP_KEY] = steps(opt) + 1
+        taken = opt.param_groups[0][STEP_KEY] = steps(opt) + 1
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)

@@ -36,7 +36,8 @@ import ds_kfac  # noqa: E402
 from ds_kfac.comm import STATS  # noqa: E402
 from ds_kfac.integration.cleanup import shm_segment  # noqa: E402
 from ds_kfac.integration.engine import STATE_FILE  # noqa: E402
-from ds_kfac.optimizers import build_client_optimizer  # noqa: E402
+from ds_kfac.optimizers.client import SECTION as CLIENT  # noqa: E402
+from ds_kfac.optimizers.client import pop_client_optimizer  # noqa: E402
 
 KINDS = ("all_reduce", "reduce", "broadcast", "all_to_all")
 """The collective kinds of :data:`ds_kfac.comm.STATS` a step counts (``"start"``: those ``initialize`` counted)."""
@@ -54,7 +55,7 @@ def config(scenario: dict, world: int) -> dict:
         "kfac": scenario.get("kfac", {}),
     }
     cfg.update(scenario.get("ds", {}))
-    if "client_optimizer" in scenario:  # the optimizer is built by the script and handed to initialize
+    if CLIENT in cfg:  # the examples' client optimizer section replaces the JSON one
         del cfg["optimizer"]
     return cfg
 
@@ -86,12 +87,11 @@ def train(scenario: dict) -> dict:
     if consolidated:
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(consolidated, tag="ckpt"))
     before = dict(STATS)
-    client = scenario.get("client_optimizer")
-    if client is None:
-        engine, *_ = ds_kfac.initialize(model=model, model_parameters=problem.param_groups(model), config=cfg)
-    else:
-        optimizer = build_client_optimizer(client, problem.param_groups(model), seed=0)
-        engine, *_ = ds_kfac.initialize(model=model, optimizer=optimizer, config=cfg)
+    groups = problem.param_groups(model)
+    optimizer = pop_client_optimizer(cfg, groups, seed=0)  # built as the examples build it, or None
+    engine, *_ = ds_kfac.initialize(
+        model=model, optimizer=optimizer, model_parameters=None if optimizer else groups, config=cfg
+    )
     initialize_bytes = {k: STATS[k] - before.get(k, 0) for k in KINDS}
     if "loss_scale" in scenario:
         engine.optimizer.loss_scaler.cur_scale = float(scenario["loss_scale"])
