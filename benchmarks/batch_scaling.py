@@ -26,7 +26,8 @@ steps per batch (the target comes in fewer steps at larger batches) and a target
 reference the ratios divide by; K-FAC is also divided by the best other arm at each batch (``peer_ratios``).
 
 ``merge`` joins the runs of several ``run``s of one task and target (a ladder whose learning-rate grid
-differs with the batch, or more seeds) into one result, best points and ratios recomputed.
+differs with the batch, a grid's edge run for some arms only with ``--arms``, or more seeds) into one result, best
+points and ratios recomputed.
 
 ``run`` writes ``<out>/batch_scaling_<task>.json`` (settings, versions, every run's curve, the best point
 of each arm at each batch, the ratios) and ``.png`` (log-log steps to target against the batch, one line per
@@ -384,7 +385,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     lrs = _grids(ladder, args)
     batches = args.batches or ladder.batches
-    arms = list(ladder.arms)
+    arms = list(args.arms or ladder.arms)
     runs: list[dict[str, Any]] = []
     order = 0
 
@@ -412,7 +413,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     first, *more = args.seeds
     for batch in batches:  # every arm's grid, interleaved
-        for i in range(max(len(grid) for grid in lrs.values())):
+        for i in range(max(len(lrs[arm]) for arm in arms)):
             for arm in rotated():
                 if i < len(lrs[arm]):
                     one(arm, batch, lrs[arm][i], first)
@@ -438,9 +439,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "size": args.size if ladder.targets is not None else None,
             "phase1": None if phase1 is None else Path(phase1).name,
             "batches": batches,
-            "lrs": lrs,
+            "lrs": {arm: lrs[arm] for arm in arms},
             "seeds": args.seeds,
-            "arms": {arm: spec.config for arm, spec in ladder.arms.items()},
+            "arms": {arm: ladder.arms[arm].config for arm in arms},
             "set": sets,
             "extra_args": extra,
             "warmup_fraction": WARMUP if ladder.warmup_key else None,
@@ -481,6 +482,7 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     settings = dict(first["settings"])
     settings["batches"] = sorted({r["batch"] for r in runs})
     settings["lrs"] = {arm: sorted({r["lr"] for r in runs if r["arm"] == arm}) for arm in arms}
+    settings["arms"] = {arm: LADDERS[first["task"]].arms[arm].config for arm in arms}
     settings["seeds"] = sorted({r["seed"] for r in runs})
     result = {
         "task": first["task"],
@@ -504,6 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("--lrs", type=float, nargs="+", help="learning-rate grid of every arm (default: the task's)")
     r.add_argument("--kfac-lrs", type=float, nargs="+", help="the K-FAC arm's grid (default: --lrs)")
     r.add_argument("--arm-lrs", action="append", default=[], metavar="ARM=LR,LR", help="one arm's grid")
+    r.add_argument("--arms", nargs="+", help="the arms to run, in the ladder's order (default: all): one grid's edge")
     r.add_argument("--seeds", type=int, nargs="+", default=[0], help="the first runs the grids, the others the best")
     r.add_argument("--samples", type=int, help="training samples per run (default: the task's)")
     r.add_argument("--steps", type=int, help="steps per run, whatever the batch (overrides budgets and --samples)")
@@ -530,6 +533,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         ladder = LADDERS[args.task]
         args.samples = args.samples or ladder.samples
         args.budgets = parse_budgets(args.budget)
+        if args.arms:
+            unknown = sorted(set(args.arms) - set(ladder.arms))
+            if unknown:
+                parser.error(f"--arms: {unknown} not arms of {args.task} ({list(ladder.arms)})")
+            args.arms = [arm for arm in ladder.arms if arm in args.arms]
         if args.target is None:
             args.target = ladder.target if ladder.targets is None else ladder.targets[args.size]
         run(args)

@@ -179,3 +179,31 @@ def test_merge_joins_runs_and_recomputes_the_best_points(tmp_path: Path) -> None
         bs.merge([small, part("c.json", [], target=0.95)], tmp_path / "x.json")
     with pytest.raises(SystemExit, match="present twice"):
         bs.merge([small, small], tmp_path / "x.json")
+
+
+def test_arms_runs_only_the_named_arms_grids_and_refuses_an_unknown_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``--arms`` (a grid's edge, one arm): only those arms launch, over their grids, and the JSON names only them;
+    an arm the ladder lacks is refused, named. The launcher is replaced by a fake writing a one-row metrics.csv."""
+    launched: list[str] = []
+
+    def fake_launch(task, config, seed, out, name, extra, timeout) -> None:  # noqa: ANN001
+        launched.append(name)
+        lr = json.loads(Path(config).read_text())["scheduler"]["params"]["warmup_max_lr"]
+        (out / name).mkdir()
+        accuracy = 0.99 if lr == 3.2 else 0.5  # only K-FAC at 3.2 reaches the target
+        (out / name / "metrics.csv").write_text(f"step,seconds,held_out_accuracy\n60,6.0,{accuracy}\n")
+
+    monkeypatch.setattr(bs, "launch", fake_launch)
+    monkeypatch.setattr(bs, "plot", lambda path, result: None)
+    argv = ["run", "resnet-peers", "--batches", "4096", "--arms", "kfac", "sgd", "--out", str(tmp_path)]
+    bs.main([*argv, "--arm-lrs", "kfac=3.2,6.4", "--arm-lrs", "sgd=1.6", "--target", "0.95"])
+    assert launched == ["sgd-b4096-lr1.6-seed0", "kfac-b4096-lr3.2-seed0", "kfac-b4096-lr6.4-seed0"]
+    result = json.loads((tmp_path / "batch_scaling_resnet-peers.json").read_text())
+    assert list(result["settings"]["arms"]) == ["sgd", "kfac"]  # the ladder's order: the reference first
+    assert result["settings"]["lrs"] == {"sgd": [1.6], "kfac": [3.2, 6.4]}
+    assert result["best"]["kfac"]["4096"]["lr"] == 3.2 and result["best"]["sgd"]["4096"]["steps"] is None
+    with pytest.raises(SystemExit):
+        bs.main(["run", "resnet-peers", "--arms", "adamw", "--out", str(tmp_path)])
+    assert "--arms: ['adamw'] not arms of resnet-peers (['sgd', 'soap', 'kfac'])" in capsys.readouterr().err
