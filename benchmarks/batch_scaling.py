@@ -276,16 +276,17 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The Markdown table of a result: per batch, each arm's best learning rate, steps and seconds to target, and
-    K-FAC against the reference arm (and, with more than two arms, against the best other one)."""
-    best, rat = result["best"], result["ratios"]
+    """The Markdown table of a result: per batch, each arm's best learning rate, steps and seconds to target, and,
+    where K-FAC ran beside another arm, K-FAC against the reference arm (and, with more than two arms, against the
+    best other one)."""
+    best, rat = result["best"], result.get("ratios")
     arms = list(best)
     reference = arms[0]
     names = {arm: "K-FAC" if arm == KFAC else arm for arm in arms}
-    with_peers = len(arms) > 2
+    with_peers = "peer_ratios" in result
     header = f"| global batch (micro x accumulation x {WORLD}) | "
-    header += " | ".join(f"{names[a]} lr | {names[a]} steps | {names[a]} s" for a in arms)
-    header += f" | K-FAC/{reference} steps | K-FAC/{reference} wall |"
+    header += " | ".join(f"{names[a]} lr | {names[a]} steps | {names[a]} s" for a in arms) + " |"
+    header += f" K-FAC/{reference} steps | K-FAC/{reference} wall |" if rat is not None else ""
     header += " K-FAC/best other steps | K-FAC/best other wall | best other |" if with_peers else ""
     lines = [header + " seeds |", "|" + " --- |" * header.count("|")]  # one column per "|" of the header so far
     ladder = LADDERS[result["task"]]
@@ -295,7 +296,8 @@ def table(result: dict[str, Any]) -> str:
         for arm in arms:
             p = best[arm][batch]
             cells += [_fmt(p["lr"], "g"), _fmt(p["steps"], ".0f"), _fmt(p["seconds"], ".1f")]
-        cells += [_fmt(rat[batch]["steps"], ".2f"), _fmt(rat[batch]["seconds"], ".2f")]
+        if rat is not None:
+            cells += [_fmt(rat[batch]["steps"], ".2f"), _fmt(rat[batch]["seconds"], ".2f")]
         if with_peers:
             q = result["peer_ratios"][batch]
             cells += [_fmt(q["steps"], ".2f"), _fmt(q["seconds"], ".2f"), q["peer"] or "none"]
@@ -457,9 +459,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(best: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A result's best points and ratios (``peer_ratios`` with more than two arms)."""
-    out: dict[str, Any] = {"best": best, "ratios": ratios(best)}
-    if len(best) > 2:
+    """A result's best points and, where K-FAC ran beside another arm, its ratios (``peer_ratios`` with more than
+    two arms)."""
+    out: dict[str, Any] = {"best": best}
+    if KFAC in best and len(best) > 1:
+        out["ratios"] = ratios(best)
+    if KFAC in best and len(best) > 2:
         out["peer_ratios"] = peer_ratios(best)
     return out
 

@@ -191,7 +191,7 @@ def test_arms_runs_only_the_named_arms_grids_and_refuses_an_unknown_one(
     def fake_launch(task, config, seed, out, name, extra, timeout) -> None:  # noqa: ANN001
         launched.append(name)
         lr = json.loads(Path(config).read_text())["scheduler"]["params"]["warmup_max_lr"]
-        (out / name).mkdir()
+        (out / name).mkdir(exist_ok=True)
         accuracy = 0.99 if lr == 3.2 else 0.5  # only K-FAC at 3.2 reaches the target
         (out / name / "metrics.csv").write_text(f"step,seconds,held_out_accuracy\n60,6.0,{accuracy}\n")
 
@@ -204,6 +204,12 @@ def test_arms_runs_only_the_named_arms_grids_and_refuses_an_unknown_one(
     assert list(result["settings"]["arms"]) == ["sgd", "kfac"]  # the ladder's order: the reference first
     assert result["settings"]["lrs"] == {"sgd": [1.6], "kfac": [3.2, 6.4]}
     assert result["best"]["kfac"]["4096"]["lr"] == 3.2 and result["best"]["sgd"]["4096"]["steps"] is None
+    assert result["ratios"]["4096"] == {"steps": None, "seconds": None} and "peer_ratios" not in result
+    for arms in (["soap", "sgd"], ["kfac"]):  # no K-FAC, or K-FAC alone: no ratios, and a table without them
+        bs.main(["run", "resnet-peers", "--batches", "4096", "--arms", *arms, "--out", str(tmp_path), "--lrs", "3.2"])
+        result = json.loads((tmp_path / "batch_scaling_resnet-peers.json").read_text())
+        assert list(result["best"]) == sorted(arms, key=["sgd", "soap", "kfac"].index) and "ratios" not in result
+        assert "K-FAC/" not in bs.table(result) and bs.table(result).count("\n") == 2
     with pytest.raises(SystemExit):
         bs.main(["run", "resnet-peers", "--arms", "adamw", "--out", str(tmp_path)])
     assert "--arms: ['adamw'] not arms of resnet-peers (['sgd', 'soap', 'kfac'])" in capsys.readouterr().err
