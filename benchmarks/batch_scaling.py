@@ -14,6 +14,7 @@ rotated by one at every grid point::
     python benchmarks/batch_scaling.py run bert-phase2 --size 2x128 --batches 256 1024 2048 \
         --arm-lrs adamw=0.004,0.008,0.016 --arm-lrs soap=0.004,0.008,0.016 --arm-lrs kfac=0.004,0.008,0.016
     python benchmarks/batch_scaling.py table benchmarks/results/batch_scaling_resnet.json
+    python benchmarks/batch_scaling.py table benchmarks/results/batch_scaling_resnet.json --target 0.98
     python benchmarks/batch_scaling.py merge benchmarks/results/batch_scaling_bert.json \
         runs/bs_256/batch_scaling_bert.json runs/bs_256_08/batch_scaling_bert.json
 
@@ -27,7 +28,8 @@ reference the ratios divide by; K-FAC is also divided by the best other arm at e
 
 ``merge`` joins the runs of several ``run``s of one task and target (a ladder whose learning-rate grid
 differs with the batch, a grid's edge run for some arms only with ``--arms``, or more seeds) into one result, best
-points and ratios recomputed.
+points and ratios recomputed. ``table --target`` scores a saved result's curves at another target (another
+horizon, nothing re-run).
 
 ``run`` writes ``<out>/batch_scaling_<task>.json`` (settings, versions, every run's curve, the best point
 of each arm at each batch, the ratios) and ``.png`` (log-log steps to target against the batch, one line per
@@ -469,6 +471,21 @@ def summary(best: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _ladder_arms(task: str, runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The arms of ``runs`` in their ladder's order (the reference first)."""
+    return [arm for arm in LADDERS[task].arms if arm in _arms(runs)]
+
+
+def rescore(result: dict[str, Any], target: float) -> dict[str, Any]:
+    """``result`` scored at another held-out ``target`` from its stored curves: another horizon, nothing re-run
+    (each arm's best learning rate is picked again at that target)."""
+    higher_is_better = result["settings"]["higher_is_better"]
+    runs = [r | {"to_target": to_target(r["curve"], target, higher_is_better)} for r in result["runs"]]
+    kept = {key: value for key, value in result.items() if key not in ("best", "ratios", "peer_ratios")}
+    settings = result["settings"] | {"target": target}
+    return kept | {"settings": settings, "runs": runs} | summary(best_points(runs, _ladder_arms(result["task"], runs)))
+
+
 def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     """One result from the runs of several results of the same task, metric, target and size (``settings`` are
     those of the first, with the union of batches, grids and seeds; the commands are kept in a list)."""
@@ -483,7 +500,7 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     if len(set(seen)) < len(seen):
         twice = sorted({k for k in seen if seen.count(k) > 1})
         raise SystemExit(f"runs present twice (arm, batch, lr, seed): {twice}")
-    arms = [arm for arm in LADDERS[first["task"]].arms if arm in _arms(runs)]
+    arms = _ladder_arms(first["task"], runs)
     settings = dict(first["settings"])
     settings["batches"] = sorted({r["batch"] for r in runs})
     settings["lrs"] = {arm: sorted({r["lr"] for r in runs if r["arm"] == arm}) for arm in arms}
@@ -530,6 +547,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     r.add_argument("extra", nargs="*", help="after --: arguments passed to the example")
     t = sub.add_parser("table", help="the Markdown table of a saved result")
     t.add_argument("result", type=Path)
+    t.add_argument("--target", type=float, help="score the stored curves at another held-out target")
     m = sub.add_parser("merge", help="one result (JSON and PNG) from the runs of several results of a task")
     m.add_argument("out", type=Path)
     m.add_argument("results", type=Path, nargs="+")
@@ -550,6 +568,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(table(merge(args.results, args.out)))
     else:
         result = json.loads(args.result.read_text())
+        if args.target is not None:
+            result = rescore(result, args.target)
         commands = result["command"] if isinstance(result["command"], list) else [result["command"]]
         print("\n".join(commands) + f"\n\n{table(result)}")
 

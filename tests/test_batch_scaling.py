@@ -213,3 +213,30 @@ def test_arms_runs_only_the_named_arms_grids_and_refuses_an_unknown_one(
     with pytest.raises(SystemExit):
         bs.main(["run", "resnet-peers", "--arms", "adamw", "--out", str(tmp_path)])
     assert "--arms: ['adamw'] not arms of resnet-peers (['sgd', 'soap', 'kfac'])" in capsys.readouterr().err
+
+
+def test_rescore_picks_each_arms_best_rate_again_at_another_target() -> None:
+    """``table --target``: a saved result's curves scored at a deeper target; the best rate can change with it (here
+    the base's slow-then-deep rate), and an arm that never gets there has no point. Crossings by hand, interpolated
+    linearly between evaluations (steps 10, 20, 30; seconds a tenth of the step)."""
+
+    def curve_run(arm: str, lr: float, values: list[float]) -> dict:
+        curve = [[10.0 * (i + 1), float(i + 1), v] for i, v in enumerate(values)]
+        return {"arm": arm, "batch": 256, "lr": lr, "seed": 0, "curve": curve, "to_target": None}
+
+    runs = [
+        curve_run("base", 0.1, [0.8, 0.92, 0.7]),  # 0.9 at 10 + 10 * 0.1 / 0.12; never 0.95
+        curve_run("base", 0.2, [0.6, 0.8, 0.96]),  # 0.9 at 20 + 10 * 0.1 / 0.16; 0.95 at 20 + 10 * 0.15 / 0.16
+        curve_run("kfac", 0.1, [0.9, 0.97, 0.99]),  # 0.9 at 10; 0.95 at 10 + 10 * 0.05 / 0.07
+    ]
+    settings = {"metric": "held_out_accuracy", "higher_is_better": True, "target": 0.5, "arms": {}}
+    result = {"task": "resnet", "command": "run", "settings": settings, "versions": {}, "runs": runs}
+    shallow, deep = bs.rescore(result, 0.9), bs.rescore(result, 0.95)
+    assert shallow["best"]["base"]["256"]["lr"] == 0.1
+    assert shallow["best"]["base"]["256"]["steps"] == pytest.approx(10 + 10 * 0.1 / 0.12)
+    assert shallow["best"]["base"]["256"]["seconds"] == pytest.approx(1 + 0.1 / 0.12)
+    assert shallow["ratios"]["256"]["steps"] == pytest.approx(10 / (10 + 10 * 0.1 / 0.12))
+    assert deep["settings"]["target"] == 0.95 and result["settings"]["target"] == 0.5  # the saved result untouched
+    assert deep["best"]["base"]["256"]["lr"] == 0.2 and deep["best"]["base"]["256"]["steps"] == pytest.approx(29.375)
+    assert deep["ratios"]["256"]["steps"] == pytest.approx((10 + 10 * 0.05 / 0.07) / 29.375)
+    assert bs.rescore(result, 0.995)["best"]["kfac"]["256"] == {"lr": None, "steps": None, "seconds": None, "seeds": 0}
