@@ -6,8 +6,8 @@ its own learning-rate grid; a run's budget is a fixed number of training samples
 steps, its schedule compressed to them) or, where the ladder says so, a number of steps per batch; its time
 to target is the first crossing of the fixed ``--target`` by its held-out curve (interpolated, as
 ``time_to_target.py`` does). The best learning rate of each arm at each batch is the one reaching the target
-in the fewest steps; ``--seeds`` beyond the first re-run only those best points. The arms run in an order
-rotated by one at every grid point::
+in the fewest steps; ``--seeds`` beyond the first re-run only those best points (an arm given one rate re-runs
+it on every seed, reached or not). The arms run in an order rotated by one at every grid point::
 
     python benchmarks/batch_scaling.py run resnet --batches 256 1024 4096 --lrs 0.2 0.4 0.8
     python benchmarks/batch_scaling.py run resnet --batches 1024 --lrs 0.4 --seeds 0 1 2
@@ -250,6 +250,13 @@ def best_points(runs: Sequence[dict[str, Any]], arms: Optional[Sequence[str]] = 
     return best
 
 
+def again(grid: Sequence[float], best: Optional[float]) -> Optional[float]:
+    """The rate ``--seeds`` beyond the first re-run: a one-rate grid's rate whether or not the first seed reached
+    the target (the rate was chosen on seed 0 before, so a miss on seed 1 is a result for seed 2 as well), else the
+    first seed's best (``None``: no rate of the grid reached it, nothing to re-run)."""
+    return grid[0] if len(grid) == 1 else best
+
+
 def _ratio(num: dict[str, Any], den: dict[str, Any]) -> dict[str, Optional[float]]:
     return {key: None if den[key] is None or num[key] is None else num[key] / den[key] for key in ("steps", "seconds")}
 
@@ -425,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for seed in more:  # the best points again, rotating
         for batch in batches:
             for arm in rotated():
-                lr = best[arm][str(batch)]["lr"]
+                lr = again(lrs[arm], best[arm][str(batch)]["lr"])
                 if lr is not None:
                     one(arm, batch, lr, seed)
     best = best_points(runs, arms)

@@ -210,6 +210,19 @@ def test_arms_runs_only_the_named_arms_grids_and_refuses_an_unknown_one(
         result = json.loads((tmp_path / "batch_scaling_resnet-peers.json").read_text())
         assert list(result["best"]) == sorted(arms, key=["sgd", "soap", "kfac"].index) and "ratios" not in result
         assert "K-FAC/" not in bs.table(result) and bs.table(result).count("\n") == 2
+    launched.clear()  # seeds 1 and 2 of chosen rates: K-FAC at 6.4 misses on seed 1 and still runs on seed 2
+    bs.main([*argv, "--arm-lrs", "kfac=6.4", "--arm-lrs", "sgd=1.6", "--seeds", "1", "2", "--target", "0.95"])
+    assert sorted(launched) == [
+        f"{arm}-b4096-lr{lr}-seed{seed}" for arm, lr in (("kfac", 6.4), ("sgd", 1.6)) for seed in (1, 2)
+    ]
+    launched.clear()  # a grid where no rate reached the target: nothing to re-run on the later seeds
+    bs.main([*argv, "--arm-lrs", "kfac=6.4,12.8", "--arm-lrs", "sgd=1.6", "--seeds", "1", "2", "--target", "0.95"])
+    assert sorted(launched) == [
+        "kfac-b4096-lr12.8-seed1",
+        "kfac-b4096-lr6.4-seed1",
+        "sgd-b4096-lr1.6-seed1",
+        "sgd-b4096-lr1.6-seed2",
+    ]
     with pytest.raises(SystemExit):
         bs.main(["run", "resnet-peers", "--arms", "adamw", "--out", str(tmp_path)])
     assert "--arms: ['adamw'] not arms of resnet-peers (['sgd', 'soap', 'kfac'])" in capsys.readouterr().err
