@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -83,3 +86,35 @@ def resnet_smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             cmds.append(module.smoke_command(out))
     launch.run(cmds, timeout=280)
     return outs
+
+
+_STARTED: list[float] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _STARTED.append(time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the session's time went (issue 48): its launches (:data:`launch.LEDGER`), their start-up (until every
+    process of a launch had printed its first line, which for a worker comes once torch and DeepSpeed are
+    imported) and the ten longest."""
+    ledger = launch.LEDGER
+    if not ledger or not _STARTED:
+        return
+    session = time.monotonic() - _STARTED[0]
+    startup = {id(e): max(e.first_output) for e in ledger if not any(math.isnan(f) for f in e.first_output)}
+    firsts = sorted(f for e in ledger for f in e.first_output if not math.isnan(f))
+    write = terminalreporter.write_line
+    terminalreporter.section("launches")
+    write(
+        f"{len(ledger)} launches of {sum(e.processes for e in ledger)} processes: "
+        f"{sum(e.seconds for e in ledger):.1f} s of the session's {session:.1f} s, of which start-up "
+        f"{sum(startup.values()):.1f} s; a process's first line after {statistics.median(firsts):.2f} s (median, "
+        f"{firsts[0]:.2f}-{firsts[-1]:.2f})"
+        if firsts
+        else f"{len(ledger)} launches, none printed"
+    )
+    for e in sorted(ledger, key=lambda e: -e.seconds)[:10]:
+        first = f"{startup[id(e)]:5.2f} s" if id(e) in startup else "   -   "
+        write(f"{e.seconds:7.2f} s, {e.processes} processes, start-up {first}  {e.test}")

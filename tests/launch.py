@@ -20,7 +20,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -104,10 +106,36 @@ def run(
             release(port)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One :func:`run`: the test that made it, its processes, its wall seconds, and per process the seconds until
+    its first line of output (a Python process with torch and DeepSpeed imported prints DeepSpeed's accelerator
+    line first: the start-up a launch pays before any work)."""
+
+    test: str
+    processes: int
+    seconds: float
+    first_output: tuple[float, ...]
+
+
+LEDGER: list[Launch] = []
+"""Every launch this process ran, in order (the suite's summary reports them: tests/conftest.py)."""
+
+
+def _read(proc: subprocess.Popen, started: float, first: list[float], lines: list[str]) -> None:
+    """Collect ``proc``'s output until it closes, noting when its first line came."""
+    with proc.stdout:
+        for line in proc.stdout:
+            if not lines:
+                first.append(time.monotonic() - started)
+            lines.append(line)
+
+
 def _run(
     cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]], rank_envs: list[dict[str, str]]
 ) -> list[str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    started = time.monotonic()
     procs = [
         subprocess.Popen(
             cmd,
@@ -119,24 +147,42 @@ def _run(
         )
         for cmd, own in zip(cmds, rank_envs)
     ]
-    deadline = time.monotonic() + timeout
-    outputs, failure = [], None
+    firsts: list[list[float]] = [[] for _ in procs]
+    lines: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=_read, args=(p, started, f, o)) for p, f, o in zip(procs, firsts, lines)]
+    for reader in readers:
+        reader.start()
+    deadline = started + timeout
+    failure, failed = None, None
     try:
         for cmd, proc in zip(cmds, procs):
             try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 failure = f"timed out after {timeout}s: {' '.join(cmd)}"
                 break
-            outputs.append(out)
             if proc.returncode != 0:
-                failure = f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}"
+                failed = proc
                 break
     finally:
-        for proc in procs:
+        for proc, reader in zip(procs, readers):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+                proc.wait()
+            reader.join(timeout=max(1.0, deadline - time.monotonic()))
+            if reader.is_alive():  # a child of the process still holds its output open: its group goes too
+                failure = failure or f"a child outlived the process and held its output: {' '.join(proc.args)}"
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # the child left the group: what it still writes is not read
+                    pass
+                reader.join(timeout=5.0)
+    outputs = ["".join(out) for out in lines]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    first = tuple(f[0] if f else float("nan") for f in firsts)
+    LEDGER.append(Launch(test, len(procs), time.monotonic() - started, first))
+    if failed is not None and failure is None:
+        failure = f"exit {failed.returncode}: {' '.join(failed.args)}\n{outputs[procs.index(failed)][-6000:]}"
     if failure:
         raise AssertionError(failure)
     return outputs
