@@ -495,7 +495,8 @@ def rescore(result: dict[str, Any], target: float) -> dict[str, Any]:
 
 def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     """One result from the runs of several results of the same task, metric, target and size (``settings`` are
-    those of the first, with the union of batches, grids and seeds; the commands are kept in a list)."""
+    those of the first, with the union of batches, grids, seeds and per-batch budgets; the commands are kept in a
+    list)."""
     parts = [json.loads(p.read_text()) for p in paths]
     first = parts[0]
     for path, part in zip(paths, parts):
@@ -513,6 +514,15 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     settings["lrs"] = {arm: sorted({r["lr"] for r in runs if r["arm"] == arm}) for arm in arms}
     settings["arms"] = {arm: LADDERS[first["task"]].arms[arm].config for arm in arms}
     settings["seeds"] = sorted({r["seed"] for r in runs})
+    budgets: dict[str, int] = {}
+    for path, part in zip(paths, parts):
+        for batch, steps in (part["settings"].get("budgets") or {}).items():
+            if budgets.setdefault(batch, steps) != steps:
+                raise SystemExit(
+                    f"{path}: budget {steps} at batch {batch} differs from an earlier part's {budgets[batch]}"
+                )
+    if budgets:
+        settings["budgets"] = dict(sorted(budgets.items(), key=lambda item: int(item[0])))
     result = {
         "task": first["task"],
         "command": [part["command"] for part in parts],

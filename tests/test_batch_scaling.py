@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -160,8 +161,9 @@ def test_smoke_run_writes_the_documented_json(resnet_smoke: dict[str, Path]) -> 
 def test_merge_joins_runs_and_recomputes_the_best_points(tmp_path: Path) -> None:
     """Ladders run in parts (a grid per batch) merge into one result; parts that disagree, or overlap, are refused."""
 
-    def part(name: str, runs: list, target: float = 0.9) -> Path:
+    def part(name: str, runs: list, target: float = 0.9, budgets: Optional[dict] = None) -> Path:
         settings = {"metric": "held_out_accuracy", "target": target, "world": 2, "samples": 1000, "steps": None}
+        settings["budgets"] = budgets or {str(b): 100 for b in sorted({r["batch"] for r in runs})}
         result = {"task": "resnet", "command": f"run {name}", "settings": settings, "versions": {}, "runs": runs}
         (tmp_path / name).write_text(json.dumps(result))
         return tmp_path / name
@@ -171,6 +173,7 @@ def test_merge_joins_runs_and_recomputes_the_best_points(tmp_path: Path) -> None
     merged = bs.merge([small, large], tmp_path / "m.json")
     assert merged["command"] == ["run a.json", "run b.json"]
     assert merged["settings"]["batches"] == [256, 1024] and merged["settings"]["lrs"]["base"] == [0.1, 0.4]
+    assert merged["settings"]["budgets"] == {"256": 100, "1024": 100}
     assert merged["ratios"]["256"] == {"steps": 0.5, "seconds": 0.5}
     assert merged["ratios"]["1024"] == {"steps": pytest.approx(0.8), "seconds": pytest.approx(0.8)}
     assert json.loads((tmp_path / "m.json").read_text())["best"] == merged["best"]
@@ -179,6 +182,9 @@ def test_merge_joins_runs_and_recomputes_the_best_points(tmp_path: Path) -> None
         bs.merge([small, part("c.json", [], target=0.95)], tmp_path / "x.json")
     with pytest.raises(SystemExit, match="present twice"):
         bs.merge([small, small], tmp_path / "x.json")
+    other = part("d.json", [_run("base", 256, 0.2, 0, 70.0)], budgets={"256": 150})
+    with pytest.raises(SystemExit, match="budget 150 at batch 256 differs from an earlier part's 100"):
+        bs.merge([small, other], tmp_path / "x.json")
 
 
 def test_arms_runs_only_the_named_arms_grids_and_refuses_an_unknown_one(
