@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 import time
@@ -103,18 +102,17 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not ledger or not _STARTED:
         return
     session = time.monotonic() - _STARTED[0]
-    startup = {id(e): max(e.first_output) for e in ledger if not any(math.isnan(f) for f in e.first_output)}
-    firsts = sorted(f for e in ledger for f in e.first_output if not math.isnan(f))
+    firsts = sorted(f for e in ledger for f in e.first_output if f is not None)
     write = terminalreporter.write_line
     terminalreporter.section("launches")
     write(
         f"{len(ledger)} launches of {sum(e.processes for e in ledger)} processes: "
         f"{sum(e.seconds for e in ledger):.1f} s of the session's {session:.1f} s, of which start-up "
-        f"{sum(startup.values()):.1f} s; a process's first line after {statistics.median(firsts):.2f} s (median, "
-        f"{firsts[0]:.2f}-{firsts[-1]:.2f})"
+        f"{sum(e.startup for e in ledger if e.startup is not None):.1f} s; a process's first line after "
+        f"{statistics.median(firsts):.2f} s (median, {firsts[0]:.2f}-{firsts[-1]:.2f})"
         if firsts
         else f"{len(ledger)} launches, none printed"
     )
     for e in sorted(ledger, key=lambda e: -e.seconds)[:10]:
-        first = f"{startup[id(e)]:5.2f} s" if id(e) in startup else "   -   "
-        write(f"{e.seconds:7.2f} s, {e.processes} processes, start-up {first}  {e.test}")
+        startup = "   -   " if e.startup is None else f"{e.startup:5.2f} s"
+        write(f"{e.seconds:7.2f} s, {e.processes} processes, start-up {startup}  {e.test}")

@@ -115,7 +115,12 @@ class Launch:
     test: str
     processes: int
     seconds: float
-    first_output: tuple[float, ...]
+    first_output: tuple[Optional[float], ...]  # None: the process printed nothing
+
+    @property
+    def startup(self) -> Optional[float]:
+        """Seconds until every process had printed its first line (``None`` if one printed nothing)."""
+        return None if None in self.first_output else max(self.first_output, default=None)
 
 
 LEDGER: list[Launch] = []
@@ -179,7 +184,7 @@ def _run(
                 reader.join(timeout=5.0)
     outputs = ["".join(out) for out in lines]
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
-    first = tuple(f[0] if f else float("nan") for f in firsts)
+    first = tuple(f[0] if f else None for f in firsts)
     LEDGER.append(Launch(test, len(procs), time.monotonic() - started, first))
     if failed is not None and failure is None:
         failure = f"exit {failed.returncode}: {' '.join(failed.args)}\n{outputs[procs.index(failed)][-6000:]}"

@@ -29,7 +29,7 @@ def test_the_ledger_times_each_launch_and_each_process_first_output() -> None:
     assert entry.test.endswith("test_the_ledger_times_each_launch_and_each_process_first_output")
     assert entry.processes == 2
     quick, slow = entry.first_output
-    assert quick < 0.6 <= slow <= entry.seconds <= wall
+    assert quick < 0.6 <= slow <= entry.seconds <= wall and entry.startup == slow
 
 
 def test_a_failing_process_is_named_with_its_output_and_still_recorded() -> None:
@@ -38,6 +38,7 @@ def test_a_failing_process_is_named_with_its_output_and_still_recorded() -> None
         launch.run([_python("print('last words'); raise SystemExit(3)"), _python("import time; time.sleep(30)")], 30)
     (entry,) = launch.LEDGER[before:]
     assert entry.processes == 2 and entry.seconds < 20  # the sleeper was killed, not waited for
+    assert entry.first_output[1] is None and entry.startup is None  # it printed nothing
 
 
 def test_a_child_holding_the_output_past_its_parent_fails_the_launch() -> None:
