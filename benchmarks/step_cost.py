@@ -944,7 +944,8 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Run one configuration on ``world`` fresh processes (timed out and cleaned up by ``tests/launch.py``)."""
+    """Run one configuration on ``world`` processes of their own (timed out and cleaned up by ``tests/launch.py``; on
+    the CPU forked with torch and DeepSpeed imported, see ``launch.Forked``; on an accelerator started fresh)."""
     spec = {
         **config,
         "kfac_config": kfac_section(config["workload"], args.smoke, args.set, config["placement"]),
@@ -965,8 +966,10 @@ def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> di
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
         me = str(Path(__file__).resolve())
-        cmds = [[sys.executable, me, "worker", "--spec", str(path), "--rank", str(r)] for r in range(config["world"])]
-        launch.run(cmds, args.timeout)
+        cmds = [
+            [sys.executable, "-u", me, "worker", "--spec", str(path), "--rank", str(r)] for r in range(config["world"])
+        ]
+        launch.run(cmds, args.timeout, preload=args.device == "cpu")
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(config["world"])]
     return summarize(spec, ranks)
 

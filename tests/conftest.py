@@ -96,8 +96,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Where the session's time went (issue 48): its launches (:data:`launch.LEDGER`), their start-up (until every
-    process of a launch had printed its first line, which for a worker comes once torch and DeepSpeed are
-    imported) and the ten longest."""
+    process of a launch had printed its first line: for a fresh worker once torch and DeepSpeed are imported, for a
+    preloaded one at its first work) and the ten longest."""
     ledger = launch.LEDGER
     if not ledger or not _STARTED:
         return

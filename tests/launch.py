@@ -5,6 +5,11 @@ the ``deepspeed`` launcher (``deepspeed.launcher.launch``) or ``torchrun`` gives
 processes cost about 6 s of a launch on 2 cores and are not what those tests are about. The launchers themselves are
 run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes` and the examples' tests.
 
+Those ranks (``run(..., preload=True)``) are forked from a server process that imported torch, DeepSpeed and
+ds_kfac once (:class:`Forked`): each is still a process of its own with its own process group, but skips the 1.7 s of
+imports every fresh interpreter pays (issue 48). Processes whose start is the subject (the launchers, interpreter
+exit, the extension build) start fresh.
+
 Every launch gets a loopback port and a timeout, runs in its own process
 session, and is killed with all its children if it overruns, so no test
 leaves processes or ports behind. Ranks started here meet at a store this
@@ -14,17 +19,23 @@ a real launcher binds a free port it is given (:func:`free_port`) itself.
 
 from __future__ import annotations
 
+import atexit
+import io
 import json
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -89,16 +100,18 @@ def run(
     env: Optional[dict[str, str]] = None,
     left_segments: Optional[list[Path]] = None,
     rank_envs: Optional[list[dict[str, str]]] = None,
+    preload: bool = False,
 ) -> list[str]:
     """Run ``cmds`` concurrently, each in a new session (``rank_envs``: each its own variables besides ``env``);
     return their outputs. If any fails or the time runs out, every process group is killed. Afterwards the launch's
     ports (``--master_port`` or ``MASTER_PORT``) are released (:func:`release`), their DeepSpeed shared-memory
     segments included (see :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own. Those segments
-    found are first appended to ``left_segments``, when given."""
+    found are first appended to ``left_segments``, when given. ``preload``: every command is ``python -u SCRIPT
+    ARGS`` (as :func:`rank_launch` makes them), each forked with the imports done (:class:`Forked`)."""
     ports = {cmd[cmd.index("--master_port") + 1] for cmd in cmds if "--master_port" in cmd}
     ports |= {e["MASTER_PORT"] for e in rank_envs or [] if "MASTER_PORT" in e}
     try:
-        return _run(cmds, timeout, env, rank_envs or [{} for _ in cmds])
+        return _run(cmds, timeout, env, rank_envs or [{} for _ in cmds], preload)
     finally:
         for port in ports:
             if left_segments is not None:
@@ -109,8 +122,9 @@ def run(
 @dataclass(frozen=True)
 class Launch:
     """One :func:`run`: the test that made it, its processes, its wall seconds, and per process the seconds until
-    its first line of output (a Python process with torch and DeepSpeed imported prints DeepSpeed's accelerator
-    line first: the start-up a launch pays before any work)."""
+    its first line of output (a fresh Python process with torch and DeepSpeed imported prints DeepSpeed's
+    accelerator line first: the start-up a launch pays before any work; a preloaded rank, its imports done, prints
+    its first line of work)."""
 
     test: str
     processes: int
@@ -127,7 +141,107 @@ LEDGER: list[Launch] = []
 """Every launch this process ran, in order (the suite's summary reports them: tests/conftest.py)."""
 
 
-def _read(proc: subprocess.Popen, started: float, first: list[float], lines: list[str]) -> None:
+PRELOADED = ("torch", "deepspeed", "ds_kfac")
+"""What the server of :class:`Forked` imports once: every worker's own first imports (not transformers nor
+megatron, whose presence in ``sys.modules`` ds_kfac's layer registry reads)."""
+
+_FRESH_PATH: list[str] = []
+"""``sys.path`` of a fresh interpreter after its script's directory (read once, by :func:`_fresh_path`)."""
+
+
+def _fresh_path() -> list[str]:
+    if not _FRESH_PATH:
+        code = "import json, sys; print(json.dumps(sys.path[1:]))"
+        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+        _FRESH_PATH.extend(json.loads(fresh.stdout))
+    return _FRESH_PATH
+
+
+def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str], out: Connection) -> None:
+    """In a process forked from the preloaded server: become what ``python -u ARGV`` started in ``cwd`` with ``env``
+    would be (its own session, output to ``out``, the environment, directory, ``sys.argv``, ``sys.path`` and
+    ``OMP_NUM_THREADS`` threads), run the script as ``__main__``, then end as the interpreter would: a traceback and
+    exit 1 on an exception, else ``SystemExit``'s code; the non-daemon threads joined, the ``atexit`` handlers run."""
+    os.setsid()
+    for fd in (1, 2):
+        os.dup2(out.fileno(), fd)
+    out.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = list(argv)
+    sys.path[:] = [str(Path(argv[0]).parent), *path]
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:  # a message
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 (reported as the interpreter reports it)
+        traceback.print_exc()
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def check_preloadable(cmd: list[str]) -> None:
+    """Refuse a command :class:`Forked` cannot start: only ``python -u SCRIPT ...`` with this interpreter."""
+    if cmd[:2] != [sys.executable, "-u"] or len(cmd) < 3:
+        raise ValueError(f"a preloaded rank runs `{sys.executable} -u SCRIPT ...`, not {cmd}")
+
+
+class Forked:
+    """A rank forked from a ``forkserver`` process that imported :data:`PRELOADED` once (the first launch starts it;
+    it lives as long as this process), with the part of ``subprocess.Popen``'s interface :func:`run` uses."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        check_preloadable(cmd)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOADED))
+        reader, writer = context.Pipe(duplex=False)
+        self.args = cmd
+        self._process = context.Process(target=_exec_script, args=(cmd[2:], env, os.getcwd(), _fresh_path(), writer))
+        self._process.start()
+        writer.close()
+        self.pid = self._process.pid
+        self.stdout = os.fdopen(os.dup(reader.fileno()), "r")
+        reader.close()
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self._process.exitcode
+
+
+def _kill(proc: Union[subprocess.Popen, Forked]) -> None:
+    """Kill ``proc``'s session (a forked rank killed before it made its own: the rank alone)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+def _read(proc: Union[subprocess.Popen, Forked], started: float, first: list[float], lines: list[str]) -> None:
     """Collect ``proc``'s output until it closes, noting when its first line came."""
     with proc.stdout:
         for line in proc.stdout:
@@ -137,12 +251,20 @@ def _read(proc: subprocess.Popen, started: float, first: list[float], lines: lis
 
 
 def _run(
-    cmds: list[list[str]], timeout: float, env: Optional[dict[str, str]], rank_envs: list[dict[str, str]]
+    cmds: list[list[str]],
+    timeout: float,
+    env: Optional[dict[str, str]],
+    rank_envs: list[dict[str, str]],
+    preload: bool,
 ) -> list[str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    for cmd in cmds if preload else []:
+        check_preloadable(cmd)  # before any starts
     started = time.monotonic()
     procs = [
-        subprocess.Popen(
+        Forked(cmd, {**full_env, **own})
+        if preload
+        else subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -172,7 +294,7 @@ def _run(
     finally:
         for proc, reader in zip(procs, readers):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill(proc)
                 proc.wait()
             reader.join(timeout=max(1.0, deadline - time.monotonic()))
             if reader.is_alive():  # a child of the process still holds its output open: its group goes too
@@ -236,7 +358,7 @@ def deepspeed_run(
     ``deepspeed --num_gpus world`` starts them (:func:`rank_launch`); return each scenario's per-rank results
     (``<out>/<scenario>_rank<r>.pt``; ``left_segments``: see :func:`run`)."""
     cmds, envs = rank_launch(world, _spec(out_dir, scenarios, worker))
-    run(cmds, timeout, left_segments=left_segments, rank_envs=envs)
+    run(cmds, timeout, left_segments=left_segments, rank_envs=envs, preload=True)
     return _results(out_dir, len(scenarios), world)
 
 
@@ -293,5 +415,5 @@ def torchrun(
     """Run ``workers/ddp_worker.py`` (standalone K-FAC under DDP) on ``world`` ranks started as ``torchrun
     --nproc_per_node world`` starts them (:func:`rank_launch`)."""
     cmds, envs = rank_launch(world, _spec(out_dir, scenarios, WORKERS / "ddp_worker.py"), "torchrun")
-    run(cmds, timeout, rank_envs=envs)
+    run(cmds, timeout, rank_envs=envs, preload=True)
     return _results(out_dir, len(scenarios), world)

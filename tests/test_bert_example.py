@@ -21,7 +21,7 @@ def pretrain(config: str, out: Path, *extra: str) -> None:
     """The example with a shipped config at a small batch (micro-batch 8, accumulation 2: the large-batch demo's
     shapes would make the test 8x slower; K-FAC then gathers factors from every micro-batch), under its own name."""
     cmds, envs = pretrain_ranks(config, out, *extra)
-    launch.run(cmds, timeout=300, rank_envs=envs)
+    launch.run(cmds, timeout=300, rank_envs=envs, preload=True)
 
 
 def pretrain_ranks(config: str, out: Path, *extra: str) -> tuple[list[list[str]], list[dict[str, str]]]:
@@ -78,7 +78,7 @@ def test_phase1_then_phase2_from_its_checkpoint(phase1_run: Path) -> None:
     config = "bert_cpu_phase2_kfac.json"
     from_phase1 = pretrain_ranks(config, tmp_path, *phase2, "--init-checkpoint", ckpt, "--run-name", "from_phase1")
     from_scratch = pretrain_ranks(config, scratch, *phase2, "--run-name", "from_scratch", "--cache-dir", str(tmp_path))
-    launch.run(from_phase1[0] + from_scratch[0], timeout=300, rank_envs=from_phase1[1] + from_scratch[1])
+    launch.run(from_phase1[0] + from_scratch[0], timeout=300, rank_envs=from_phase1[1] + from_scratch[1], preload=True)
     first = {
         run: float(metrics(out, run)[0]["loss"]) for out, run in ((tmp_path, "from_phase1"), (scratch, "from_scratch"))
     }

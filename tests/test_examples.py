@@ -61,10 +61,10 @@ RESNET_CONFIGS = ["resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_c
 
 @pytest.fixture(scope="module")
 def resnet_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each of :data:`RESNET_CONFIGS` through the real entry point under the deepspeed launcher (2 ranks), the three
-    launches side by side (one 2-core machine: each launcher's start-up, one process at a time, overlaps another's
-    training): per config, its output directory."""
-    out, cmds = {}, []
+    """Each of :data:`RESNET_CONFIGS` through the real entry point on 2 ranks started as the deepspeed launcher starts
+    them (:func:`launch.rank_launch`; the launcher itself runs in test_deepspeed.py and the benchmarks' smoke runs),
+    the three jobs side by side: per config, its output directory."""
+    out, cmds, envs = {}, [], []
     for config in RESNET_CONFIGS:
         tmp_path = out[config] = tmp_path_factory.mktemp(Path(config).stem)
         small = {**json.loads((ROOT / "configs" / config).read_text())}
@@ -73,19 +73,20 @@ def resnet_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         small["scheduler"]["params"].update(warmup_max_lr=0.2, warmup_num_steps=10, total_num_steps=110)
         small["optimizer"]["params"]["lr"] = 0.2
         (tmp_path / config).write_text(json.dumps(small))
-        cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
         script = [str(ROOT / "examples/resnet/train.py"), "--deepspeed_config", str(tmp_path / config)]
         script += ["--data", "digits"]
         results = tmp_path / "results.jsonl"
         extra = ["--steps", "30", "--eval-every", "10", "--results", str(results), "--output-dir", str(tmp_path)]
-        cmds.append(cmd + script + extra)
-    launch.run(cmds, timeout=280)
+        ranks = launch.rank_launch(2, script + extra)
+        cmds += ranks[0]
+        envs += ranks[1]
+    launch.run(cmds, timeout=280, rank_envs=envs, preload=True)
     return out
 
 
 @pytest.mark.parametrize("config", RESNET_CONFIGS)
 def test_resnet_example_learns_on_two_ranks(resnet_runs: dict[str, Path], config: str) -> None:
-    """The real entry point under the deepspeed launcher, each shipped config at a global batch of 64 on the
+    """The real entry point on 2 ranks, each shipped config at a global batch of 64 on the
     small embedded data set (``--data digits``, hard variant): 30 steps lift held-out accuracy far above
     chance (0.1), and metrics.csv holds the timed curve the benchmark reads."""
     tmp_path = resnet_runs[config]
@@ -167,7 +168,7 @@ def test_gpt_example_tensor_and_pipeline_parallel_equals_one_rank(tmp_path: Path
         ranks = launch.rank_launch(n, script + common + parallel + ["--output-dir", str(tmp_path / f"ranks{n}")])
         cmds += ranks[0]
         envs += ranks[1]
-    launch.run(cmds, timeout=280, rank_envs=envs)
+    launch.run(cmds, timeout=280, rank_envs=envs, preload=True)
     curves = []
     for n in (4, 1):
         with (tmp_path / f"ranks{n}" / "gpt_kfac_cpu" / "metrics.csv").open() as f:

@@ -3,6 +3,7 @@ where its time goes, issue 48) and how it fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -56,3 +57,72 @@ def test_a_launch_past_its_timeout_is_killed_and_named() -> None:
     with pytest.raises(AssertionError, match=r"timed out after 2s"):
         launch.run([_python("import time; time.sleep(60)")], timeout=2)
     assert time.monotonic() - started < 10
+
+
+PROBE = """
+import atexit, json, os, sys, threading, time
+preloaded = "torch" in sys.modules  # before this script imports anything: the server's imports
+import torch
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+print(json.dumps({
+    "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
+    "threads": torch.get_num_threads(), "name": __name__, "preloaded": preloaded,
+}))
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("boom")
+if how == "message":
+    raise SystemExit("a message")
+if how == "code":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "raise", "message", "code"])
+def test_a_preloaded_rank_runs_its_script_as_a_fresh_interpreter_does(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The same script, started fresh and forked from the preloaded server (``preload=True``), in the same directory
+    and environment: the same arguments, ``sys.path``, directory, variables, thread count and ``__main__``, the same
+    end (a thread joined, then ``atexit``; the traceback or message, and exit code, of each way out); only the
+    forked one finds torch already imported."""
+    script = tmp_path / "sub" / "probe.py"
+    script.parent.mkdir()
+    script.write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    cmd = [sys.executable, "-u", str(script), how]
+    ends = {}
+    for preload in (False, True):
+        try:
+            (out,) = launch.run([cmd], timeout=60, env={"PROBE": "yes"}, preload=preload)
+            ends[preload] = ("exit 0", out)
+        except AssertionError as err:
+            ends[preload] = tuple(str(err).split("\n", 1))
+    (fresh_end, fresh), (forked_end, forked) = ends[False], ends[True]
+    assert forked_end.split(":", 1)[0] == fresh_end.split(":", 1)[0]  # "exit N"
+    assert fresh_end.split(":", 1)[0] == {"return": "exit 0", "raise": "exit 1", "message": "exit 1"}.get(how, "exit 3")
+    probe = {False: json.loads(fresh.splitlines()[0]), True: json.loads(forked.splitlines()[0])}
+    assert not probe[False].pop("preloaded") and probe[True].pop("preloaded")
+    assert probe[True] == probe[False]
+    assert probe[True]["argv"] == [str(script), how] and probe[True]["path"][0] == str(script.parent)
+    assert probe[True]["cwd"] == str(tmp_path) and probe[True]["probe"] == "yes" and probe[True]["threads"] == 1
+    assert probe[True]["name"] == "__main__"
+    for out in (fresh, forked):
+        rest = out.splitlines()[1:]
+        assert rest[-2:] == ["thread done", "atexit ran"]  # the thread is joined before the atexit handlers
+        assert ("ValueError: boom" in rest) == (how == "raise") and ("a message" in rest) == (how == "message")
+
+
+def test_a_preloaded_launch_past_its_timeout_is_killed_and_named(tmp_path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 2s"):
+        launch.run([[sys.executable, "-u", str(script)]] * 2, timeout=2, preload=True)
+    assert time.monotonic() - started < 10
+
+
+def test_only_a_python_script_can_be_preloaded() -> None:
+    with pytest.raises(ValueError, match=r"a preloaded rank runs `.*python.* -u SCRIPT \.\.\.`, not \['deepspeed'"):
+        launch.run([[sys.executable, "-u", "ok.py"], ["deepspeed", "x.py"]], timeout=10, preload=True)

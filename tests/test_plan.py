@@ -106,7 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, dict, list
     spec.write_text(json.dumps({"4": SCENARIOS[4], "2": SCENARIOS[2], "1": SCENARIOS[1], "ports": ports}))
     cmds, envs = launch.rank_launch(4, [str(launch.WORKERS / "plan_worker.py"), "--spec", str(spec), "--out", str(out)])
     try:
-        launch.run(cmds, timeout=280, rank_envs=envs)
+        launch.run(cmds, timeout=280, rank_envs=envs, preload=True)
     finally:
         for port in ports["2"] + ports["1"]:
             launch.release(port)

@@ -97,16 +97,20 @@ def test_flop_floor_matches_a_hand_count() -> None:
 
 
 def _children() -> list[int]:
-    """Live processes whose parent is this one."""
-    me, found = str(os.getpid()), []
+    """Live processes left by this one's launches: its children, except the preloaded ranks' fork server and
+    multiprocessing's resource tracker (servers for the session, see ``launch.Forked``), and the server's children."""
+    live: dict[int, tuple[int, bool]] = {}  # pid: (parent, a multiprocessing server)
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            server = b"from multiprocessing." in (status.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if fields.get("PPid", "").strip() == me and not fields.get("State", "").startswith("Z"):
-            found.append(int(status.parent.name))
-    return found
+        if not fields.get("State", "").startswith("Z"):
+            live[int(status.parent.name)] = (int(fields["PPid"]), server)
+    me = os.getpid()
+    servers = {pid for pid, (parent, server) in live.items() if parent == me and server}
+    return [pid for pid, (parent, _) in live.items() if (parent == me and pid not in servers) or parent in servers]
 
 
 def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
