@@ -161,7 +161,9 @@ def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str]
     """In a process forked from the preloaded server: become what ``python -u ARGV`` started in ``cwd`` with ``env``
     would be (its own session, output to ``out``, the environment, directory, ``sys.argv``, ``sys.path`` and
     ``OMP_NUM_THREADS`` threads), run the script as ``__main__``, then end as the interpreter would: a traceback and
-    exit 1 on an exception, else ``SystemExit``'s code; the non-daemon threads joined, the ``atexit`` handlers run."""
+    exit 1 on an exception, else ``SystemExit``'s code; the threads shut down as the interpreter shuts them down
+    (``concurrent.futures`` executors told to stop, then every non-daemon thread joined), the ``atexit`` handlers
+    run."""
     os.setsid()
     for fd in (1, 2):
         os.dup2(out.fileno(), fd)
@@ -186,9 +188,7 @@ def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str]
     except BaseException:  # noqa: BLE001 (reported as the interpreter reports it)
         traceback.print_exc()
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # the interpreter's own: its thread-exit hooks (an executor's workers), then the joins
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -310,6 +310,8 @@ def _run(
     LEDGER.append(Launch(test, len(procs), time.monotonic() - started, first))
     if failed is not None and failure is None:
         failure = f"exit {failed.returncode}: {' '.join(failed.args)}\n{outputs[procs.index(failed)][-6000:]}"
+    elif failure and failure.startswith("timed out"):  # where each process was: its last lines
+        failure += "".join(f"\n--- {' '.join(p.args)[-160:]}:\n{out[-1500:]}" for p, out in zip(procs, outputs))
     if failure:
         raise AssertionError(failure)
     return outputs

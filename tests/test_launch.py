@@ -54,16 +54,18 @@ def test_a_child_holding_the_output_past_its_parent_fails_the_launch() -> None:
 
 def test_a_launch_past_its_timeout_is_killed_and_named() -> None:
     started = time.monotonic()
-    with pytest.raises(AssertionError, match=r"timed out after 2s"):
-        launch.run([_python("import time; time.sleep(60)")], timeout=2)
+    with pytest.raises(AssertionError, match=r"(?s)timed out after 2s: .*\nwaiting\n"):  # where it was
+        launch.run([_python("print('waiting'); import time; time.sleep(60)")], timeout=2)
     assert time.monotonic() - started < 10
 
 
 PROBE = """
-import atexit, json, os, sys, threading, time
+import atexit, concurrent.futures, json, os, sys, threading, time
 preloaded = "torch" in sys.modules  # before this script imports anything: the server's imports
 import torch
 atexit.register(lambda: print("atexit ran"))
+torch.probe_pool = concurrent.futures.ThreadPoolExecutor(1)  # a library's pool, never shut down: the interpreter
+torch.probe_pool.submit(time.sleep, 0.1)  # stops it (torch.compile's compile pool is one)
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
 print(json.dumps({
     "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
@@ -85,8 +87,8 @@ def test_a_preloaded_rank_runs_its_script_as_a_fresh_interpreter_does(
 ) -> None:
     """The same script, started fresh and forked from the preloaded server (``preload=True``), in the same directory
     and environment: the same arguments, ``sys.path``, directory, variables, thread count and ``__main__``, the same
-    end (a thread joined, then ``atexit``; the traceback or message, and exit code, of each way out); only the
-    forked one finds torch already imported."""
+    end (an executor left running stopped and a thread joined, then ``atexit``; the traceback or message, and exit
+    code, of each way out); only the forked one finds torch already imported."""
     script = tmp_path / "sub" / "probe.py"
     script.parent.mkdir()
     script.write_text(PROBE)
