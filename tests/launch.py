@@ -3,7 +3,8 @@
 :func:`deepspeed_run` and :func:`torchrun` start each rank's process directly, with the environment and arguments
 the ``deepspeed`` launcher (``deepspeed.launcher.launch``) or ``torchrun`` gives it: the launcher's own two
 processes cost about 6 s of a launch on 2 cores and are not what those tests are about. The launchers themselves are
-run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes` and the examples' tests.
+run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes`, the stale-lock test and the benchmarks' smoke
+runs.
 
 Those ranks (``run(..., preload=True)``) are forked from a server process that imported torch, DeepSpeed and
 ds_kfac once (:class:`Forked`): each is still a process of its own with its own process group, but skips the 1.7 s of
