@@ -233,6 +233,23 @@ class Forked:
         return self._process.exitcode
 
 
+def leftovers() -> list[int]:
+    """Live processes this process's launches left: its children, except the fork server of :class:`Forked` and
+    multiprocessing's resource tracker (servers for the session), and that server's children (forked ranks)."""
+    live: dict[int, tuple[int, bool]] = {}  # pid: (parent, a multiprocessing server)
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            server = b"from multiprocessing." in (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if not fields.get("State", "").startswith("Z"):
+            live[int(status.parent.name)] = (int(fields["PPid"]), server)
+    me = os.getpid()
+    servers = {pid for pid, (parent, server) in live.items() if parent == me and server}
+    return [pid for pid, (parent, _) in live.items() if (parent == me and pid not in servers) or parent in servers]
+
+
 def _kill(proc: Union[subprocess.Popen, Forked]) -> None:
     """Kill ``proc``'s session (a forked rank killed before it made its own: the rank alone)."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -128,3 +129,18 @@ def test_a_preloaded_launch_past_its_timeout_is_killed_and_named(tmp_path) -> No
 def test_only_a_python_script_can_be_preloaded() -> None:
     with pytest.raises(ValueError, match=r"a preloaded rank runs `.*python.* -u SCRIPT \.\.\.`, not \['deepspeed'"):
         launch.run([[sys.executable, "-u", "ok.py"], ["deepspeed", "x.py"]], timeout=10, preload=True)
+
+
+def test_leftovers_names_a_live_child_and_a_live_forked_rank_but_not_the_servers(tmp_path) -> None:
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank = launch.Forked([sys.executable, "-u", str(script)], dict(os.environ))
+    try:
+        assert {child.pid, rank.pid} <= set(launch.leftovers())
+    finally:
+        for proc in (child, rank):
+            os.kill(proc.pid, 9)
+            proc.wait()
+        rank.stdout.close()
+    assert not launch.leftovers()  # the fork server and resource tracker stay, and are not counted

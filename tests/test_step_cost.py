@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import launch
 import pytest
 import torch
 from torch import nn
@@ -94,23 +94,6 @@ def test_flop_floor_matches_a_hand_count() -> None:
     factors = summary["phases"]["factors"]
     assert factors["floor_ms"] == pytest.approx(10.0 * flops["factors"] / flops["forward_backward"])
     assert factors["measured_ms"] == 1.5 and factors["measured_phases"] == ["hooks", "factors"]
-
-
-def _children() -> list[int]:
-    """Live processes left by this one's launches: its children, except the preloaded ranks' fork server and
-    multiprocessing's resource tracker (servers for the session, see ``launch.Forked``), and the server's children."""
-    live: dict[int, tuple[int, bool]] = {}  # pid: (parent, a multiprocessing server)
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
-            server = b"from multiprocessing." in (status.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if not fields.get("State", "").startswith("Z"):
-            live[int(status.parent.name)] = (int(fields["PPid"]), server)
-    me = os.getpid()
-    servers = {pid for pid, (parent, server) in live.items() if parent == me and server}
-    return [pid for pid, (parent, _) in live.items() if (parent == me and pid not in servers) or parent in servers]
 
 
 def _check(result: dict[str, Any], world: int, workloads: list[str]) -> None:
@@ -224,7 +207,7 @@ def test_smoke_run_and_table(
     out = tmp_path / "step_cost.json"
     args = ["run", "--smoke", "--workloads", *workloads, "--worlds", str(world), "--placements", placement]
     sc.main([*args, "--ga", "1", "4", "--cycles", str(CYCLES), "--timeout", str(LAUNCH_TIMEOUT), "--out", str(out)])
-    assert not _children()
+    assert not launch.leftovers()
     result = json.loads(out.read_text())
     _check(result, world, workloads)
     assert out.with_suffix(".png").stat().st_size > 0
