@@ -1,8 +1,9 @@
 #!/bin/bash
-# Issue 48: how the suite's time grows on a slower machine, emulated two ways on a 2-core Linux machine (root, cgroup
-# v1 cpu controller): a fresh clone of HEAD, its `make test` as is, with a busy loop pinned to each core (hogs), and
-# with one core's worth of CPU for the two (quota: cfs_quota_us 100000 of a 100000 period); then 30 AdamW steps of
-# the BERT demo's phase 2 under each, twice, whose median step says how much slower each emulated machine is.
+# Issue 48: how the suite's time grows on a slower machine, emulated three ways on a 2-core Linux machine (root,
+# cgroup v1 cpu controller): a fresh clone of HEAD, its `make test` as is, with a busy loop pinned to each core (hogs),
+# with one core's worth of CPU for the two (quota: cfs_quota_us 100000 of a 100000 period), and with two busy loops
+# the scheduler places (loops: nothing pinned); then 30 AdamW steps of the BERT demo's phase 2 under each, twice,
+# whose median step says how much slower each emulated machine is.
 # Nothing else may run meanwhile. Usage: benchmarks/suite_slowdown.sh TAG  (results: runs/suite_slowdown/TAG/)
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd); TAG=$1; OUT=$ROOT/runs/suite_slowdown/$TAG; D=/tmp/suite_slowdown_$TAG
@@ -12,6 +13,7 @@ git log --oneline -1 > "$OUT/summary.txt"
 make venv > "$OUT/venv.log" 2>&1
 export TORCH_EXTENSIONS_DIR=$D/.venv/torch_extensions
 hogs() { taskset -c 0 yes > /dev/null & h0=$!; taskset -c 1 yes > /dev/null & h1=$!; }
+loops() { yes > /dev/null & h0=$!; yes > /dev/null & h1=$!; }
 unhogs() { kill "$h0" "$h1"; wait "$h0" "$h1" 2>/dev/null; }
 suite() {  # $1: the mode
   local start=$(date +%s)
@@ -35,8 +37,10 @@ suite none
 hogs; suite hogs; unhogs
 echo 100000 > "$CG/cpu.cfs_quota_us"
 ( echo $BASHPID > "$CG/cgroup.procs"; suite quota )
+loops; suite loops; unhogs
 for r in 1 2; do
   demo none $r
   hogs; demo hogs $r; unhogs
   ( echo $BASHPID > "$CG/cgroup.procs"; demo quota $r )
+  loops; demo loops $r; unhogs
 done

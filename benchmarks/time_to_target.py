@@ -255,6 +255,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def script_args(task: Task, config: Path, seed: int, out: Path, run_name: str, extra: Sequence[str]) -> list[str]:
+    """The example's script and its arguments for one run, as :func:`launch` hands them to the launcher."""
+    args = [str(ROOT / task.script), "--deepspeed_config", str(config), "--seed", str(seed)]
+    return [*args, "--output-dir", str(out), "--run-name", run_name, *extra]
+
+
 def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra: Sequence[str], timeout: float) -> None:
     """One run through the ``deepspeed`` launcher on 2 local ranks, in its own process session:
     on failure or timeout the whole group is killed and its DeepSpeed shm segments removed."""
@@ -262,12 +268,13 @@ def launch(task: Task, config: Path, seed: int, out: Path, run_name: str, extra:
 
     port = str(free_port())
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", port, str(ROOT / task.script)]
-    cmd += ["--deepspeed_config", str(config), "--seed", str(seed), "--output-dir", str(out), "--run-name", run_name]
+    cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", port]
     log = out / f"{run_name}.log"
     with log.open("w") as f:
         env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        code = run_launcher([*cmd, *extra], port, timeout, cwd=ROOT, output=f, env=env)
+        code = run_launcher(
+            [*cmd, *script_args(task, config, seed, out, run_name, extra)], port, timeout, cwd=ROOT, output=f, env=env
+        )
     if code != 0:
         why = f"timed out after {timeout:.0f}s" if code is None else f"failed with exit code {code}"
         raise RuntimeError(f"run {run_name} {why}; see {log}")

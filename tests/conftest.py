@@ -67,26 +67,6 @@ def easgd_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, l
     return {name: {key: next(results) for key in part} for name, part in parts.items()}
 
 
-RESNET_SMOKE = ("test_batch_scaling", "test_time_to_target")
-"""The modules (test_batch_scaling.py, test_time_to_target.py) whose benchmark smoke runs (each a base and a K-FAC
-launch of the ResNet example, one after another) run side by side, each providing ``smoke_command(out)``."""
-
-
-@pytest.fixture(scope="session")
-def resnet_smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One wait instead of one per module: the smoke commands of those :data:`RESNET_SMOKE` modules this session
-    imported, started together (on 2 cores, one benchmark's launcher start-up, one process at a time, overlaps the
-    other's training); per module (by ``__name__``), its output directory."""
-    outs, cmds = {}, []
-    for name in RESNET_SMOKE:
-        module = sys.modules.get(name)
-        if module is not None:
-            outs[module.__name__] = out = tmp_path_factory.mktemp(name)
-            cmds.append(module.smoke_command(out))
-    launch.run(cmds, timeout=280)
-    return outs
-
-
 _STARTED: list[float] = []
 
 

@@ -146,16 +146,22 @@ PRELOADED = ("torch", "deepspeed", "ds_kfac")
 """What the server of :class:`Forked` imports once: every worker's own first imports (not transformers nor
 megatron, whose presence in ``sys.modules`` ds_kfac's layer registry reads)."""
 
-_FRESH_PATH: list[str] = []
-"""``sys.path`` of a fresh interpreter after its script's directory (read once, by :func:`_fresh_path`)."""
+_FRESH_PATHS: dict[tuple, list[str]] = {}
+"""``sys.path`` of a fresh interpreter after its script's directory, per working directory and ``PYTHON*``
+variables (read once each, by :func:`_fresh_path`)."""
 
 
-def _fresh_path() -> list[str]:
-    if not _FRESH_PATH:
+def _fresh_path(env: dict[str, str], cwd: str) -> list[str]:
+    """What a fresh interpreter started in ``cwd`` with ``env`` puts on ``sys.path`` after its script's directory:
+    ``PYTHONPATH`` (its relative entries taken from ``cwd``), the standard library, site-packages."""
+    key = (cwd, *sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
+    if key not in _FRESH_PATHS:
         code = "import json, sys; print(json.dumps(sys.path[1:]))"
-        fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-        _FRESH_PATH.extend(json.loads(fresh.stdout))
-    return _FRESH_PATH
+        fresh = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env, cwd=cwd
+        )
+        _FRESH_PATHS[key] = json.loads(fresh.stdout)
+    return _FRESH_PATHS[key]
 
 
 def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str], out: Connection) -> None:
@@ -212,7 +218,8 @@ class Forked:
         context.set_forkserver_preload(list(PRELOADED))
         reader, writer = context.Pipe(duplex=False)
         self.args = cmd
-        self._process = context.Process(target=_exec_script, args=(cmd[2:], env, os.getcwd(), _fresh_path(), writer))
+        path = _fresh_path(env, os.getcwd())
+        self._process = context.Process(target=_exec_script, args=(cmd[2:], env, os.getcwd(), path, writer))
         self._process.start()
         writer.close()
         self.pid = self._process.pid

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import launch
 import pytest
 
 ROOT = Path(__file__).parents[1]
@@ -16,6 +17,7 @@ _spec = importlib.util.spec_from_file_location("batch_scaling", ROOT / "benchmar
 bs = importlib.util.module_from_spec(_spec)
 sys.modules["batch_scaling"] = bs  # dataclasses resolve annotations through sys.modules
 _spec.loader.exec_module(bs)
+from time_to_target import script_args  # noqa: E402  (the module batch_scaling imported)
 
 
 def test_batch_shapes_grow_by_accumulation_beyond_the_largest_micro_batch() -> None:
@@ -133,18 +135,22 @@ def test_three_arms_report_kfac_against_the_reference_and_the_best_other_arm() -
     assert "bert-phase2" not in text and "peer_ratios" not in bs.summary(bs.best_points(runs[:1] + runs[2:3]))
 
 
-def smoke_command(out: Path) -> list[str]:
-    """The smoke run at one batch (tests/conftest.py's ``resnet_smoke`` runs it beside test_time_to_target's)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks/batch_scaling.py"), "run", "resnet", "--smoke", "--batches", "64"]
-    cmd += ["--lrs", "0.1", "--steps", "4", "--evaluations", "2", "--target", "0.0", "--out", str(out)]
-    return cmd + ["--timeout", "200"]
+def _preloaded_launch(task, config, seed, out, run_name, extra, timeout) -> None:  # noqa: ANN001
+    """``time_to_target.launch``'s run (the same script and arguments, its output in the same log) with its 2 ranks
+    started as the ``deepspeed`` launcher starts them, forked with their imports done (tests/launch.py): the real
+    launcher's own path is test_time_to_target's smoke run."""
+    cmds, envs = launch.rank_launch(2, script_args(task, config, seed, out, run_name, extra))
+    outputs = launch.run(cmds, timeout, rank_envs=envs, preload=True)
+    (out / f"{run_name}.log").write_text("".join(outputs))
 
 
 @pytest.mark.timeout(300)
-def test_smoke_run_writes_the_documented_json(resnet_smoke: dict[str, Path]) -> None:
-    """The real launcher path at one batch, a few steps per run (:func:`smoke_command`): the JSON carries every curve
-    and the best points."""
-    tmp_path = resnet_smoke[__name__]
+def test_smoke_run_writes_the_documented_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ladder at one batch, a few steps per run, the example trained on 2 ranks (:func:`_preloaded_launch`): the
+    JSON carries every curve and the best points."""
+    monkeypatch.setattr(bs, "launch", _preloaded_launch)
+    args = ["run", "resnet", "--smoke", "--batches", "64", "--lrs", "0.1", "--steps", "4", "--evaluations", "2"]
+    bs.main([*args, "--target", "0.0", "--out", str(tmp_path), "--timeout", "200"])
     result = json.loads((tmp_path / "batch_scaling_resnet.json").read_text())
     assert set(result) == {"task", "command", "settings", "versions", "runs", "best", "ratios"}
     assert [(r["arm"], r["batch"], r["lr"], r["steps"]) for r in result["runs"]] == [

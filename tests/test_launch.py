@@ -87,9 +87,10 @@ def test_a_preloaded_rank_runs_its_script_as_a_fresh_interpreter_does(
     tmp_path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """The same script, started fresh and forked from the preloaded server (``preload=True``), in the same directory
-    and environment: the same arguments, ``sys.path``, directory, variables, thread count and ``__main__``, the same
-    end (an executor left running stopped and a thread joined, then ``atexit``; the traceback or message, and exit
-    code, of each way out); only the forked one finds torch already imported."""
+    and environment: the same arguments, ``sys.path`` (a relative ``PYTHONPATH`` entry taken from that directory),
+    directory, variables, thread count and ``__main__``, the same end (an executor left running stopped and a thread
+    joined, then ``atexit``; the traceback or message, and exit code, of each way out); only the forked one finds
+    torch already imported."""
     script = tmp_path / "sub" / "probe.py"
     script.parent.mkdir()
     script.write_text(PROBE)
@@ -98,7 +99,8 @@ def test_a_preloaded_rank_runs_its_script_as_a_fresh_interpreter_does(
     ends = {}
     for preload in (False, True):
         try:
-            (out,) = launch.run([cmd], timeout=60, env={"PROBE": "yes"}, preload=preload)
+            env = {"PROBE": "yes", "PYTHONPATH": "lib"}  # relative: taken from the directory it starts in
+            (out,) = launch.run([cmd], timeout=60, env=env, preload=preload)
             ends[preload] = ("exit 0", out)
         except AssertionError as err:
             ends[preload] = tuple(str(err).split("\n", 1))
@@ -108,7 +110,10 @@ def test_a_preloaded_rank_runs_its_script_as_a_fresh_interpreter_does(
     probe = {False: json.loads(fresh.splitlines()[0]), True: json.loads(forked.splitlines()[0])}
     assert not probe[False].pop("preloaded") and probe[True].pop("preloaded")
     assert probe[True] == probe[False]
-    assert probe[True]["argv"] == [str(script), how] and probe[True]["path"][0] == str(script.parent)
+    assert probe[True]["argv"] == [str(script), how] and probe[True]["path"][:2] == [
+        str(script.parent),
+        str(tmp_path / "lib"),
+    ]
     assert probe[True]["cwd"] == str(tmp_path) and probe[True]["probe"] == "yes" and probe[True]["threads"] == 1
     assert probe[True]["name"] == "__main__"
     for out in (fresh, forked):

@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import launch
 import pytest
 
 ROOT = Path(__file__).parents[1]
@@ -88,20 +89,15 @@ def test_overrides_and_curve_reading(tmp_path: Path) -> None:
         ttt.read_curve(csv, "held_out_mlm_loss")
 
 
-def smoke_command(out: Path) -> list[str]:
-    """The smoke run (tests/conftest.py's ``resnet_smoke`` runs it beside test_batch_scaling's): both arms at a global
-    batch of 64 (the configs' 1024 costs 16x the steps' time; nothing here depends on it)."""
+@pytest.mark.timeout(300)
+def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
+    """The real launcher path (``deepspeed --num_gpus 2`` per run), a few steps per run, both arms at a global batch
+    of 64 (the configs' 1024 costs 16x the steps' time; nothing here depends on it): the JSON carries settings,
+    versions, curves and the summary."""
     cmd = [sys.executable, str(ROOT / "benchmarks/time_to_target.py"), "run", "resnet", "--smoke"]
     for option in ("--set", "--set-base"):
         cmd += [option, "train_micro_batch_size_per_gpu=32", option, "gradient_accumulation_steps=1"]
-    return cmd + ["--seeds", "0", "--out", str(out), "--timeout", "200"]
-
-
-@pytest.mark.timeout(300)
-def test_smoke_run_writes_the_documented_json(resnet_smoke: dict[str, Path]) -> None:
-    """The real launcher path, a few steps per run (:func:`smoke_command`): the JSON carries settings, versions,
-    curves and the summary."""
-    tmp_path = resnet_smoke[__name__]
+    launch.run([[*cmd, "--seeds", "0", "--out", str(tmp_path), "--timeout", "200"]], timeout=280)
     result = json.loads((tmp_path / "resnet.json").read_text())
     assert set(result) == {"task", "command", "settings", "configs", "versions", "runs", "summary"}
     assert result["settings"]["seeds"] == [0] and result["settings"]["world"] == 2

@@ -63,12 +63,18 @@ def building_in(directory: Path) -> bool:
 
 def refuse_stale_build_locks(grace: float = GRACE_SECONDS, ops: tuple[str, ...] = OPS) -> None:
     """Return once no build lock of ``ops`` exists (waiting while a build runs); raise ``RuntimeError`` naming the
-    file when one exists for ``grace`` seconds with no build running."""
+    file once it has existed for ``grace`` seconds with no build running. The lock's age counts: one written more
+    than ``grace`` seconds ago (by its modification time) with no build running is refused at once."""
     for op in ops:
         lock = build_lock(op)
         if lock is None:
             continue
-        deadline = time.monotonic() + grace
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # released meanwhile
+            continue
+        # A clock that disagrees with the file's (a future modification time) counts the grace from now.
+        deadline = time.monotonic() + grace - min(max(age, 0.0), grace)
         while lock.exists():
             if building_in(lock.parent):
                 deadline = time.monotonic() + grace

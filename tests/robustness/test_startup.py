@@ -4,6 +4,7 @@ of their own."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import threading
@@ -28,13 +29,34 @@ def _plant_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return lock
 
 
+def _age(lock: Path, seconds: float) -> None:
+    """Make ``lock`` look written ``seconds`` ago (its modification time)."""
+    then = time.time() - seconds
+    os.utime(lock, (then, then))
+
+
 def test_a_stale_lock_is_named_within_the_grace_period(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock just written waits out the grace period (torch holds a live one for milliseconds), then is named."""
     lock = _plant_lock(tmp_path, monkeypatch)
     started = time.monotonic()
     path = re.escape(str(lock))
     with pytest.raises(RuntimeError, match=rf"{path} exists but no process is building .*\(rm {path}\)"):
         refuse_stale_build_locks(grace=0.5)
-    assert time.monotonic() - started < 5
+    assert 0.5 <= time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("age, waits", [(3600.0, 0.0), (0.75, 0.75), (-3600.0, 1.5)], ids=["old", "young", "future"])
+def test_the_locks_age_counts_toward_the_grace_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, age: float, waits: float
+) -> None:
+    """The grace counts from the lock's modification time: an hour-old lock is named at once, one written 0.75 s ago
+    after the rest of a 1.5 s grace; one dated in the future (a clock that disagrees) after the whole grace."""
+    lock = _plant_lock(tmp_path, monkeypatch)
+    _age(lock, age)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exists but no process is building"):
+        refuse_stale_build_locks(grace=1.5)
+    assert waits <= time.monotonic() - started < waits + 0.7
 
 
 def test_a_build_in_progress_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,11 +76,12 @@ def test_a_build_in_progress_is_waited_for(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_a_launch_with_a_stale_lock_fails_with_the_message(tmp_path: Path) -> None:
-    """The real launcher, 2 ranks: with a stale lock planted in the extensions directory, every rank stops at
-    ``ds_kfac.init_distributed`` with the message (before, DeepSpeed's start-up waited forever)."""
+    """The real launcher, 2 ranks: with a stale lock (a minute old) planted in the extensions directory, every rank
+    stops at ``ds_kfac.init_distributed`` with the message (before, DeepSpeed's start-up waited forever)."""
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
     lock.touch()
+    _age(lock, 60.0)
     spec = tmp_path / "spec.json"
     spec.write_text("[]")
     cmd = [str(launch.BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(launch.free_port())]
