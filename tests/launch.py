@@ -3,8 +3,8 @@
 :func:`deepspeed_run` and :func:`torchrun` start each rank's process directly, with the environment and arguments
 the ``deepspeed`` launcher (``deepspeed.launcher.launch``) or ``torchrun`` gives it: the launcher's own two
 processes cost about 6 s of a launch on 2 cores and are not what those tests are about. The launchers themselves are
-run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes`, the stale-lock test and the benchmarks' smoke
-runs.
+run for real by :func:`deepspeed_nodes`, :func:`torchrun_two_nodes`, the stale-lock test and test_time_to_target's
+test of the benchmarks' ``launch``.
 
 Those ranks (``run(..., preload=True)``) are forked from a server process that imported torch, DeepSpeed and
 ds_kfac once (:class:`Forked`): each is still a process of its own with its own process group, but skips the 1.7 s of
@@ -387,6 +387,14 @@ def deepspeed_run(
     cmds, envs = rank_launch(world, _spec(out_dir, scenarios, worker))
     run(cmds, timeout, left_segments=left_segments, rank_envs=envs, preload=True)
     return _results(out_dir, len(scenarios), world)
+
+
+def deepspeed_script(world: int, script: list[str], timeout: float, log: Path) -> None:
+    """Run ``script`` (a path and its arguments) on ``world`` preloaded ranks started as ``deepspeed --num_gpus
+    world`` starts them (:func:`rank_launch`), their output written to ``log``: the benchmarks' runs in the tests
+    (the benchmarks' own ``launch`` runs the real launcher)."""
+    cmds, envs = rank_launch(world, script)
+    log.write_text("".join(run(cmds, timeout, rank_envs=envs, preload=True)))
 
 
 def torchrun_two_nodes(

@@ -136,12 +136,9 @@ def test_three_arms_report_kfac_against_the_reference_and_the_best_other_arm() -
 
 
 def _preloaded_launch(task, config, seed, out, run_name, extra, timeout) -> None:  # noqa: ANN001
-    """``time_to_target.launch``'s run (the same script and arguments, its output in the same log) with its 2 ranks
-    started as the ``deepspeed`` launcher starts them, forked with their imports done (tests/launch.py): the real
-    launcher's own path is test_time_to_target's smoke run."""
-    cmds, envs = launch.rank_launch(2, script_args(task, config, seed, out, run_name, extra))
-    outputs = launch.run(cmds, timeout, rank_envs=envs, preload=True)
-    (out / f"{run_name}.log").write_text("".join(outputs))
+    """``time_to_target.launch``'s run (its script and arguments, its log) on 2 preloaded ranks."""
+    args = script_args(task, config, seed, out, run_name, extra)
+    launch.deepspeed_script(2, args, timeout, out / f"{run_name}.log")
 
 
 @pytest.mark.timeout(300)

@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.timeout(300)
 
 _spec = importlib.util.spec_from_file_location("digits_train", Path(__file__).parents[1] / "examples/digits/train.py")
 digits = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(digits)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread, as ``examples/digits/train.py`` runs: its ops are too small to share, and two threads
-    waiting on each other cost 10x on a loaded machine (the suite's launches are one thread per rank too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -278,18 +278,16 @@ TWO_PASSES = {"kfac": KFAC, "steps": 1, "per_rank": PER_RANK, "passes": 2, "expe
 
 def in_process(runs: list[dict]) -> list[list[dict]]:
     """``workers/ddp_worker.py``'s scenarios on one rank in this process (as a 1-rank torchrun runs them, without its
-    start-up): the launcher's environment, one intra-op thread as the worker sets, both restored afterwards."""
-    threads = torch.get_num_threads()
+    start-up): the launcher's environment, restored afterwards (one intra-op thread, as the worker sets, is the
+    session's: conftest.py)."""
     with pytest.MonkeyPatch.context() as env:
         for key, value in launch.one_rank_env().items():
             env.setenv(key, value)
-        torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo")
         try:
             return [[ddp_worker.run(run)] for run in runs]
         finally:
             ds_kfac.shutdown()
-            torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -89,15 +90,24 @@ def test_overrides_and_curve_reading(tmp_path: Path) -> None:
         ttt.read_curve(csv, "held_out_mlm_loss")
 
 
+def _preloaded_launch(task, config, seed, out, run_name, extra, timeout) -> None:  # noqa: ANN001
+    """:func:`time_to_target.launch`'s run (its script and arguments, its log) on 2 preloaded ranks."""
+    launch.deepspeed_script(
+        2, ttt.script_args(task, config, seed, out, run_name, extra), timeout, out / f"{run_name}.log"
+    )
+
+
 @pytest.mark.timeout(300)
-def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
-    """The real launcher path (``deepspeed --num_gpus 2`` per run), a few steps per run, both arms at a global batch
-    of 64 (the configs' 1024 costs 16x the steps' time; nothing here depends on it): the JSON carries settings,
-    versions, curves and the summary."""
-    cmd = [sys.executable, str(ROOT / "benchmarks/time_to_target.py"), "run", "resnet", "--smoke"]
+def test_smoke_run_writes_the_documented_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both arms at a global batch of 64 (the configs' 1024 costs 16x the steps' time; nothing here depends on it), a
+    few steps per run, the example trained on 2 ranks (:func:`_preloaded_launch`; the launcher itself:
+    :func:`test_launch_runs_the_script_through_the_deepspeed_launcher`): the JSON carries settings, versions, curves
+    and the summary."""
+    monkeypatch.setattr(ttt, "launch", _preloaded_launch)
+    args = ["run", "resnet", "--smoke", "--seeds", "0", "--out", str(tmp_path), "--timeout", "200"]
     for option in ("--set", "--set-base"):
-        cmd += [option, "train_micro_batch_size_per_gpu=32", option, "gradient_accumulation_steps=1"]
-    launch.run([[*cmd, "--seeds", "0", "--out", str(tmp_path), "--timeout", "200"]], timeout=280)
+        args += [option, "train_micro_batch_size_per_gpu=32", option, "gradient_accumulation_steps=1"]
+    ttt.main(args)
     result = json.loads((tmp_path / "resnet.json").read_text())
     assert set(result) == {"task", "command", "settings", "configs", "versions", "runs", "summary"}
     assert result["settings"]["seeds"] == [0] and result["settings"]["world"] == 2
@@ -110,6 +120,33 @@ def test_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
     assert summary["target"] == result["runs"][0]["curve"][-1][2]
     assert summary["base_steps"] == 4.0 and math.isfinite(summary["seconds_per_step_ratio"])
     assert (tmp_path / "resnet.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_launch_runs_the_script_through_the_deepspeed_launcher(tmp_path: Path) -> None:
+    """``launch`` itself: the real ``deepspeed --num_gpus 2`` starts 2 ranks of the task's script with the run's
+    arguments, the launcher's variables, one thread and unbuffered output, into the run's log; a rank that fails
+    fails the run, naming its exit code and log (the ranks: ``workers/launcher_probe.py``, no torch)."""
+    task = ttt.Task(str(launch.WORKERS / "launcher_probe.py"), "", "", "held_out_accuracy", True, ())
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    ttt.launch(task, config, 7, tmp_path, "probe", ["--eval-every", "2"], timeout=100)
+    reports = [json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, report in enumerate(reports):
+        assert report["args"] == {
+            "deepspeed_config": str(config), "output_dir": str(tmp_path), "run_name": "probe",
+            "seed": 7, "local_rank": rank, "exit": 0,
+        }  # fmt: skip
+        assert report["extra"] == ["--eval-every", "2"]
+        env = report["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert (env["OMP_NUM_THREADS"], env["PYTHONUNBUFFERED"]) == ("1", "1")
+    assert reports[0]["env"]["MASTER_PORT"] == reports[1]["env"]["MASTER_PORT"]
+    log = (tmp_path / "probe.log").read_text()
+    assert "rank 0 of 2 started" in log and "rank 1 of 2 started" in log
+    failed = rf"run failing failed with exit code \d+; see {re.escape(str(tmp_path / 'failing.log'))}"
+    with pytest.raises(RuntimeError, match=failed):
+        ttt.launch(task, config, 7, tmp_path, "failing", ["--exit", "3"], timeout=100)
 
 
 def test_compare_two_finished_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
