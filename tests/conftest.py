@@ -14,11 +14,11 @@ import torch
 
 import ds_kfac
 
+# One intra-op thread in the pytest process, as every launched rank has (tests/launch.py): the tests' ops are too
+# small to share, and on a machine whose cores are busy with anything else two OpenMP threads waiting on each other at
+# every op's barrier cost 10-100x (issue 48: the GPU bundle's hooks check, 0.25 s alone, took 11-43 s in this process
+# beside two busy loops with two threads, 0.5 s with one).
 torch.set_num_threads(1)
-"""One intra-op thread in the pytest process, as every launched rank has (tests/launch.py): the tests' ops are too
-small to share, and on a machine whose cores are busy with anything else two OpenMP threads waiting on each other at
-every op's barrier cost 10-100x (issue 48: the GPU bundle's hooks check, 0.25 s alone, took 11-43 s in this process
-beside two busy loops with two threads, 0.5 s with one)."""
 
 
 @pytest.fixture(autouse=True)
