@@ -213,13 +213,13 @@ class Forked:
     it lives as long as this process), with the part of ``subprocess.Popen``'s interface :func:`run` uses."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        check_preloadable(cmd)
+        """``cmd``: as :func:`check_preloadable` accepts (:func:`run` checks every command before any starts)."""
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(PRELOADED))
         reader, writer = context.Pipe(duplex=False)
         self.args = cmd
-        path = _fresh_path(env, os.getcwd())
-        self._process = context.Process(target=_exec_script, args=(cmd[2:], env, os.getcwd(), path, writer))
+        cwd = os.getcwd()
+        self._process = context.Process(target=_exec_script, args=(cmd[2:], env, cwd, _fresh_path(env, cwd), writer))
         self._process.start()
         writer.close()
         self.pid = self._process.pid

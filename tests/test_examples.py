@@ -62,7 +62,8 @@ RESNET_CONFIGS = ["resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_c
 @pytest.fixture(scope="module")
 def resnet_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each of :data:`RESNET_CONFIGS` through the real entry point on 2 ranks started as the deepspeed launcher starts
-    them (:func:`launch.rank_launch`; the launcher itself runs in test_deepspeed.py and the benchmarks' smoke runs),
+    them (:func:`launch.rank_launch`; the launcher itself runs in test_deepspeed.py, the stale-lock test and
+    test_time_to_target.py's test of the benchmarks' ``launch``),
     the three jobs side by side: per config, its output directory."""
     out, cmds, envs = {}, [], []
     for config in RESNET_CONFIGS:
