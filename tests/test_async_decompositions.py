@@ -17,17 +17,18 @@ from torch import nn
 from ds_kfac import KFACConfigError, KFACPreconditioner
 
 KEYS = {"damping": 0.01, "kl_clip": None, "factor_update_steps": 2, "inv_update_steps": 4}
+KEYS.update(factor_dtype="float64", inv_dtype="float64")
 STEPS = 13
 
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+    return torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
 
 
 def grads_of(net: nn.Module, kfac: KFACPreconditioner, step: int) -> list[torch.Tensor]:

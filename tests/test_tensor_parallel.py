@@ -22,17 +22,19 @@ TWO: dict[str, dict[str, Any]] = {
     "exact_no_bias": {"bias": False},
     "exact_skip_bias_add": {"skip_bias_add": True},
     "shard": {"mode": "shard"},
-    "engine": {"engine": True},
-    "engine_resumed": {"engine": True},
+    "exact_float32": {"dtype": "float32"},
+    "engine": {"engine": True, "dtype": "float32"},
+    "engine_resumed": {"engine": True, "dtype": "float32"},
 }
 FOUR: dict[str, dict[str, Any]] = {
-    "engine": {"engine": True},
-    "placed": {"kfac": {"grad_worker_fraction": 0.5, "factor_reduction": "reduce"}},
+    "engine": {"engine": True, "dtype": "float32"},
+    "placed": {"kfac": {"grad_worker_fraction": 0.5, "factor_reduction": "reduce"}, "dtype": "float32"},
 }
 TOL = dict(rtol=1e-5, atol=1e-6)
-DP_TOL = dict(rtol=1e-5, atol=1e-5)
-"""Two data-parallel halves sum the factors in another order than one batch; eigendecompositions amplify that
-to a few 1e-6 on weights of size ~1 (elements near zero fail a purely relative 1e-5)."""
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+"""float32 runs (``tp_worker.DTYPES``): shards and data-parallel halves compute and sum the factors in another order
+than one process; eigendecompositions amplify that to a few 1e-6 on weights of size ~1, by amounts that depend on
+the CPU's kernels (elements near zero fail a purely relative 1e-5)."""
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +58,14 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @functools.cache
-def reference(bias: bool, shards: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(bias: bool, shards: int, dtype: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Final weights and every step's ``nu`` of the single-process reference, standalone K-FAC, same data."""
-    model = w.Reference(bias, shards)
+    model = w.Reference(bias, shards, w.DTYPES[dtype])
     optimizer = torch.optim.SGD(model.parameters(), lr=w.LR)
-    kfac = ds_kfac.KFACPreconditioner(model, dict(w.KFAC), optimizer=optimizer)
+    kfac = ds_kfac.KFACPreconditioner(model, {**w.KFAC, "factor_dtype": dtype, "inv_dtype": dtype}, optimizer=optimizer)
     nus = []
     for step in range(w.STEPS):
-        x, y = w.batch(step)
+        x, y = w.batch(step, w.DTYPES[dtype])
         optimizer.zero_grad()
         w.loss_fn(model(x), y).backward()
         kfac.step()
@@ -74,7 +76,7 @@ def reference(bias: bool, shards: int) -> tuple[dict[str, torch.Tensor], list[fl
 
 def check(ranks: list[dict], scenario: dict[str, Any], tol: dict[str, float]) -> None:
     shards = 2 if scenario.get("mode") == "shard" else 1
-    expected, nus = reference(scenario.get("bias", True), shards)
+    expected, nus = reference(scenario.get("bias", True), shards, scenario.get("dtype", "float64"))
     for r, result in enumerate(ranks):
         assert result["params"].keys() == expected.keys()
         for name, value in expected.items():
@@ -82,15 +84,28 @@ def check(ranks: list[dict], scenario: dict[str, Any], tol: dict[str, float]) ->
         torch.testing.assert_close(torch.tensor(result["nus"]), torch.tensor(nus), **tol)
 
 
-@pytest.mark.parametrize("name", ["exact", "exact_no_bias", "exact_skip_bias_add", "engine", "shard"])
+@pytest.mark.parametrize("name", ["exact", "exact_no_bias", "exact_skip_bias_add", "shard"])
 def test_tp2_equals_reference(two: dict[str, Any], name: str) -> None:
     """``exact``: the unsharded model's K-FAC; ``shard``: K-FAC per shard block (the row bias left to SGD)."""
     check(two[name], TWO[name], TOL)
 
 
+def test_tp2_in_float32_equals_reference(two: dict[str, Any]) -> None:
+    check(two["exact_float32"], TWO["exact_float32"], F32_TOL)
+
+
+def test_tp2_engine_equals_the_standalone_preconditioner(two: dict[str, Any]) -> None:
+    """Through ``ds_kfac.initialize(mpu=parallel_state)``: the standalone run's weights and ``nu`` (float32), bitwise."""
+    for engine, standalone in zip(two["engine"], two["exact_float32"]):
+        assert engine["nus"] == standalone["nus"]
+        assert engine["params"].keys() == standalone["params"].keys()
+        for name, value in standalone["params"].items():
+            assert torch.equal(engine["params"][name], value), name
+
+
 @pytest.mark.parametrize("name", list(FOUR))
 def test_tp2_dp2_equals_reference(four: dict[str, Any], name: str) -> None:
-    check(four[name], FOUR[name], DP_TOL)
+    check(four[name], FOUR[name], F32_TOL)
 
 
 def test_exact_owners_and_shard_blocks(two: dict[str, Any]) -> None:
@@ -113,7 +128,7 @@ def test_resume_is_bitwise(two: dict[str, Any]) -> None:
             assert torch.equal(a["params"][name], b["params"][name]), name
 
 
-def tp_bytes(n: int, steps: int, bias: bool, t: int = 2, itemsize: int = 4) -> list[dict[str, int]]:
+def tp_bytes(n: int, steps: int, bias: bool, t: int = 2, itemsize: int = 8) -> list[dict[str, int]]:
     """docs/megatron.md's formula, per rank: per step each layer's non-owners send their rows of the split side
     (``n x d/t``, column: ``d = out``, row: ``d = in``) and their gradient piece (column ``out/t x (in + b)``, row
     ``out x (in/t + b)``) to the owner, which sends each piece back. Owners here: column on rank 0, row on 1."""

@@ -5,7 +5,7 @@ CLASSES)`` (the head replicated on every tensor-parallel rank), its weights the 
 Every step the data-parallel rank ``d`` of ``D`` trains on rows ``[d B/D, (d+1) B/D)`` of :func:`batch`.
 
 Scenario keys: ``mode`` (``tensor_parallel_factors``), ``bias`` (column and row biases), ``skip_bias_add`` (the
-row layer returns its bias, added here), ``kfac`` (more K-FAC keys), ``engine`` (``ds_kfac.initialize(mpu=parallel_state)`` instead of the
+row layer returns its bias, added here), ``kfac`` (more K-FAC keys), ``dtype`` (:data:`DTYPES`), ``engine`` (``ds_kfac.initialize(mpu=parallel_state)`` instead of the
 standalone preconditioner), ``save`` (``{"dir", "at"}``), ``load`` (a checkpoint dir to resume from). Records the
 full weights (shards gathered), every step's ``nu`` and the tensor-parallel bytes sent.
 """
@@ -24,6 +24,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 IN, HIDDEN, OUT, CLASSES, BATCH, STEPS, LR = 8, 6, 4, 3, 8, 5, 0.1
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+"""A scenario's ``dtype``: of the model, its data and K-FAC's factors and decompositions (the weights and data drawn
+in float32, then cast). float64 by default: in float32 the shards' matmuls round otherwise than the whole layer's, by
+amounts that depend on the CPU's kernels and that 5 steps of eigendecompositions amplify to over 1e-6. The DeepSpeed
+engine reduces no float64 gradients: its scenarios run in float32."""
 KFAC = {
     "damping": 0.01,
     "kl_clip": 0.01,
@@ -45,9 +50,9 @@ def full_weights(bias: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, CLASSES, generator=g)
+    return torch.randn(BATCH, IN, generator=g).to(dtype), torch.randn(BATCH, CLASSES, generator=g).to(dtype)
 
 
 def loss_fn(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -59,7 +64,7 @@ class Reference(nn.Module):
     ``shard`` preconditions), the row layer's bias a parameter outside them (which ``shard`` leaves to the base
     optimizer)."""
 
-    def __init__(self, bias: bool, tp: int = 1) -> None:
+    def __init__(self, bias: bool, tp: int, dtype: torch.dtype) -> None:
         super().__init__()
         w = full_weights(bias)
         self.col = nn.ModuleList(nn.Linear(IN, HIDDEN // tp, bias=bias) for _ in range(tp))
@@ -76,6 +81,7 @@ class Reference(nn.Module):
                 self.row[0].bias.copy_(w["row.bias"])
             self.head.weight.copy_(w["head.weight"])
             self.head.bias.copy_(w["head.bias"])
+        self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = [torch.tanh(c(x)) for c in self.col]
@@ -98,7 +104,7 @@ class Reference(nn.Module):
 
 
 class TPModel(nn.Module):
-    def __init__(self, bias: bool, skip_bias_add: bool) -> None:
+    def __init__(self, bias: bool, skip_bias_add: bool, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         from megatron.core import ModelParallelConfig, parallel_state
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -120,6 +126,7 @@ class TPModel(nn.Module):
                 self.row.bias.copy_(w["row.bias"])
             self.head.weight.copy_(w["head.weight"])
             self.head.bias.copy_(w["head.bias"])
+        self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.col(x)
@@ -206,8 +213,10 @@ def train(scenario: dict[str, Any]) -> dict[str, Any]:
     dp_group = parallel_state.get_data_parallel_group()
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     torch.manual_seed(0)
-    model = TPModel(scenario.get("bias", True), scenario.get("skip_bias_add", False))
+    dtype = scenario.get("dtype", "float64")
+    model = TPModel(scenario.get("bias", True), scenario.get("skip_bias_add", False), DTYPES[dtype])
     kfac_keys = {**KFAC, "tensor_parallel_factors": scenario.get("mode", "exact"), **scenario.get("kfac", {})}
+    kfac_keys.update(factor_dtype=dtype, inv_dtype=dtype)
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     nus, before = [], dict(STATS)
     if scenario.get("engine"):
@@ -222,7 +231,7 @@ def train(scenario: dict[str, Any]) -> dict[str, Any]:
         if "load" in scenario:
             engine.load_checkpoint(scenario["load"], tag="ckpt")
         for step in range(engine.global_steps, STEPS):
-            x, y = batch(step)
+            x, y = batch(step, DTYPES[dtype])
             engine.backward(loss_fn(engine(x[rows]), y[rows]))
             engine.step()
             nus.append(engine.kfac.last_nu.item())
@@ -233,7 +242,7 @@ def train(scenario: dict[str, Any]) -> dict[str, Any]:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         kfac = ds_kfac.KFACPreconditioner(model, kfac_keys, optimizer=optimizer, process_group=dp_group)
         for step in range(STEPS):
-            x, y = batch(step)
+            x, y = batch(step, DTYPES[dtype])
             optimizer.zero_grad()
             loss_fn(model(x[rows]), y[rows]).backward()
             for p in model.parameters():  # data-parallel gradient averaging (what DDP does)
