@@ -142,9 +142,19 @@ LEDGER: list[Launch] = []
 """Every launch this process ran, in order (the suite's summary reports them: tests/conftest.py)."""
 
 
-PRELOADED = ("torch", "deepspeed", "ds_kfac")
-"""What the server of :class:`Forked` imports once: every worker's own first imports (not transformers nor
-megatron, whose presence in ``sys.modules`` ds_kfac's layer registry reads)."""
+PRELOADED = (
+    *("torch", "deepspeed", "ds_kfac"),
+    *("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension"),
+    *("megatron.core.tensor_parallel", "transformers", "sklearn.datasets", "sklearn.model_selection"),
+)
+"""What the server of :class:`Forked` imports once, in a fresh interpreter's order (ds_kfac before the libraries it
+reads in ``sys.modules``): the workers' first imports; those every rank building an optimizer or an engine makes on
+the way (``torch.optim.Optimizer`` imports ``torch._dynamo``, ``deepspeed.initialize`` checks the optimizer against
+DeepSpeed's Muon, whose ``torch.compile`` decorators import the compiler's configuration, and ds_kfac's build lock
+imports torch's extension builder: 1.4 s of each rank's CPU on 2 cores, as much again as the first three); and the
+libraries of the Megatron, Hugging Face and digits workers and examples (0.3-1 s each). ds_kfac reads megatron's
+presence only to register its layers' adapters, which a model without them never uses; whether ``import ds_kfac``
+imports any of them is tested in fresh interpreters."""
 
 _FRESH_PATHS: dict[tuple, list[str]] = {}
 """``sys.path`` of a fresh interpreter after its script's directory, per working directory and ``PYTHON*``
