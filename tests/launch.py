@@ -145,7 +145,8 @@ LEDGER: list[Launch] = []
 PRELOADED = (
     *("torch", "deepspeed", "ds_kfac"),
     *("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension"),
-    *("megatron.core.tensor_parallel", "transformers", "sklearn.datasets", "sklearn.model_selection"),
+    *("megatron.core.tensor_parallel", "transformers.models.bert.modeling_bert"),
+    *("sklearn.datasets", "sklearn.model_selection"),
 )
 """What the server of :class:`Forked` imports once, in a fresh interpreter's order (ds_kfac before the libraries it
 reads in ``sys.modules``): the workers' first imports; those every rank building an optimizer or an engine makes on
