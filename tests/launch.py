@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -406,6 +406,18 @@ def deepspeed_script(world: int, script: list[str], timeout: float, log: Path) -
     (the benchmarks' own ``launch`` runs the real launcher)."""
     cmds, envs = rank_launch(world, script)
     log.write_text("".join(run(cmds, timeout, rank_envs=envs, preload=True)))
+
+
+def benchmark_launch(
+    task: Any, config: Path, seed: int, out: Path, run_name: str, extra: Sequence[str], timeout: float
+) -> None:
+    """``benchmarks/time_to_target.py``'s ``launch`` (which ``batch_scaling`` calls too) on 2 preloaded ranks
+    (:func:`deepspeed_script`): the run's script and arguments (its ``script_args``), its log. The benchmark's own
+    ``launch`` runs the real launcher, tested on its own in test_time_to_target.py. The calling test has imported
+    the benchmark."""
+    from time_to_target import script_args
+
+    deepspeed_script(2, script_args(task, config, seed, out, run_name, extra), timeout, out / f"{run_name}.log")
 
 
 def torchrun_two_nodes(

@@ -17,7 +17,6 @@ _spec = importlib.util.spec_from_file_location("batch_scaling", ROOT / "benchmar
 bs = importlib.util.module_from_spec(_spec)
 sys.modules["batch_scaling"] = bs  # dataclasses resolve annotations through sys.modules
 _spec.loader.exec_module(bs)
-from time_to_target import script_args  # noqa: E402  (the module batch_scaling imported)
 
 
 def test_batch_shapes_grow_by_accumulation_beyond_the_largest_micro_batch() -> None:
@@ -135,17 +134,11 @@ def test_three_arms_report_kfac_against_the_reference_and_the_best_other_arm() -
     assert "bert-phase2" not in text and "peer_ratios" not in bs.summary(bs.best_points(runs[:1] + runs[2:3]))
 
 
-def _preloaded_launch(task, config, seed, out, run_name, extra, timeout) -> None:  # noqa: ANN001
-    """``time_to_target.launch``'s run (its script and arguments, its log) on 2 preloaded ranks."""
-    args = script_args(task, config, seed, out, run_name, extra)
-    launch.deepspeed_script(2, args, timeout, out / f"{run_name}.log")
-
-
 @pytest.mark.timeout(300)
 def test_smoke_run_writes_the_documented_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ladder at one batch, a few steps per run, the example trained on 2 ranks (:func:`_preloaded_launch`): the
-    JSON carries every curve and the best points."""
-    monkeypatch.setattr(bs, "launch", _preloaded_launch)
+    """The ladder at one batch, a few steps per run, the example trained on 2 preloaded ranks
+    (:func:`launch.benchmark_launch`): the JSON carries every curve and the best points."""
+    monkeypatch.setattr(bs, "launch", launch.benchmark_launch)
     args = ["run", "resnet", "--smoke", "--batches", "64", "--lrs", "0.1", "--steps", "4", "--evaluations", "2"]
     bs.main([*args, "--target", "0.0", "--out", str(tmp_path), "--timeout", "200"])
     result = json.loads((tmp_path / "batch_scaling_resnet.json").read_text())

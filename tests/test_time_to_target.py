@@ -90,20 +90,13 @@ def test_overrides_and_curve_reading(tmp_path: Path) -> None:
         ttt.read_curve(csv, "held_out_mlm_loss")
 
 
-def _preloaded_launch(task, config, seed, out, run_name, extra, timeout) -> None:  # noqa: ANN001
-    """:func:`time_to_target.launch`'s run (its script and arguments, its log) on 2 preloaded ranks."""
-    launch.deepspeed_script(
-        2, ttt.script_args(task, config, seed, out, run_name, extra), timeout, out / f"{run_name}.log"
-    )
-
-
 @pytest.mark.timeout(300)
 def test_smoke_run_writes_the_documented_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both arms at a global batch of 64 (the configs' 1024 costs 16x the steps' time; nothing here depends on it), a
-    few steps per run, the example trained on 2 ranks (:func:`_preloaded_launch`; the launcher itself:
+    few steps per run, the example trained on 2 preloaded ranks (:func:`launch.benchmark_launch`; the launcher itself:
     :func:`test_launch_runs_the_script_through_the_deepspeed_launcher`): the JSON carries settings, versions, curves
     and the summary."""
-    monkeypatch.setattr(ttt, "launch", _preloaded_launch)
+    monkeypatch.setattr(ttt, "launch", launch.benchmark_launch)
     args = ["run", "resnet", "--smoke", "--seeds", "0", "--out", str(tmp_path), "--timeout", "200"]
     for option in ("--set", "--set-base"):
         args += [option, "train_micro_batch_size_per_gpu=32", option, "gradient_accumulation_steps=1"]
