@@ -47,7 +47,7 @@ PHASE1 = ("--max-steps", "30", "--eval-every", "15")
 
 @pytest.fixture(scope="module")
 def phase1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Phase 1 with K-FAC, 30 steps: the output directory (its corpus, tokenizer and encoding caches are shared by
+    """Phase 1 with K-FAC, 30 steps: the output directory (the embedded corpus's prepared shards there are shared by
     this module's later launches)."""
     out = tmp_path_factory.mktemp("bert")
     pretrain("bert_cpu_phase1_kfac.json", out, *PHASE1)
@@ -73,7 +73,7 @@ def test_phase1_then_phase2_from_its_checkpoint(phase1_run: Path) -> None:
     phase2 = ("--max-steps", "2", "--eval-batches", "1")
     # Both launches side by side (one's launcher start-up overlaps the other's ranks): the fresh model in a directory
     # of its own (each run's rank 0 rewrites its output directory's summary.txt and loss.png from every run there)
-    # with phase 1's caches (--cache-dir: nothing is built, only read).
+    # with phase 1's shards (--cache-dir: nothing is prepared, only read).
     scratch = tmp_path / "scratch"
     config = "bert_cpu_phase2_kfac.json"
     from_phase1 = pretrain_ranks(config, tmp_path, *phase2, "--init-checkpoint", ckpt, "--run-name", "from_phase1")
@@ -101,6 +101,6 @@ def test_resume_continues_with_identical_losses(phase1_run: Path) -> None:
     pretrain("bert_cpu_phase1_kfac.json", tmp_path, *PHASE1, "--run-name", "interrupted", "--resume")
     straight, resumed = metrics(tmp_path, "bert_cpu_phase1_kfac"), metrics(tmp_path, "interrupted")
     assert [r["step"] for r in resumed] == [str(s) for s in range(1, 31)]
-    assert len(list((tmp_path / "encoding-cache").glob("*.npz"))) == 2  # Training and held-out, from the first run.
+    assert len(list((tmp_path / "shards").glob("*/manifest.json"))) == 1  # prepared by the first run, then read
     for key in ("loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key

@@ -28,7 +28,7 @@ fp32 matrices, refused under bf16), their CPU configs resized:
 
 The runs go through ``examples/bert/pretrain.py``'s ``main`` in this process, one after another, as one rank:
 about 40 launches would cost 30-40 s each in start-up (imports, corpus, engine), most of a 10-minute call. The
-corpus and its pairs are built once (:func:`reused_data`), and a run is stopped when the budget is spent
+corpus is prepared into shards once (by the first run), and a run is stopped when the budget is spent
 (:func:`time_limit`), so the JSON is always written. ``--budget`` also decides what starts: an item (or a size's
 phase 1 with its first item) is skipped when its predicted seconds (:func:`item_seconds`, from :class:`Size`'s
 estimates, then from the measured seconds per sequence) exceed what is left.
@@ -58,14 +58,13 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
-from transformers import PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / p) for p in ("tests", "benchmarks", "examples/bert") if str(ROOT / p) not in sys.path]
-import data  # noqa: E402  (examples/bert/data.py)
 import launch  # noqa: E402  (tests/launch.py)
 import peers  # noqa: E402
 import pretrain  # noqa: E402
+import shards  # noqa: E402  (examples/bert/shards.py)
 import time_to_target as ttt  # noqa: E402
 
 import ds_kfac  # noqa: E402
@@ -286,33 +285,16 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def reused_data() -> Iterator[None]:
-    """``pretrain.main``, run many times in this process, rebuilds what its runs share: the corpus and its sentence
-    pairs (2-4 s a run on the CPU machine) and a plot of the output directory (1-2 s). In this block the first build
-    of each corpus and of each set of pairs is handed to the later runs, and no plot is drawn."""
-    documents: dict[tuple[Any, ...], Any] = {}
-    examples: dict[tuple[Any, ...], Any] = {}
-    load_documents, load_examples, plot = pretrain.load_documents, pretrain.load_examples, pretrain.report.plot
-
-    def shared_documents(args: argparse.Namespace, cache: Path) -> tuple[list[data.Document], dict[str, Any]]:
-        key = (args.corpus, str(args.text_dir), str(args.hf_dataset), str(cache))
-        if key not in documents:
-            documents[key] = load_documents(args, cache)
-        found, record = documents[key]
-        return found, dict(record)  # pretrain adds its counts to the record
-
-    def shared_examples(docs: list[data.Document], tokenizer: Any, seq: int, seed: int, cache: Path) -> Any:
-        key = (data.corpus_digest(docs), tokenizer.backend_tokenizer.to_str(), seq, seed, str(cache))
-        if key not in examples:
-            examples[key] = load_examples(docs, tokenizer, seq, seed, cache)
-        return examples[key]
-
-    pretrain.load_documents, pretrain.load_examples = shared_documents, shared_examples
+def no_plots() -> Iterator[None]:
+    """``pretrain.main``, run many times in this process, redraws a plot of its output directory each run (1-2 s);
+    in this block it draws none. (What the runs share, the prepared shards of the corpus, is on disk, prepared by
+    the first run.)"""
+    plot = pretrain.report.plot
     pretrain.report.plot = lambda out: Path(out) / "loss.png (not drawn)"
     try:
         yield
     finally:
-        pretrain.load_documents, pretrain.load_examples, pretrain.report.plot = load_documents, load_examples, plot
+        pretrain.report.plot = plot
 
 
 def run_in_process(argv: list[str], seconds: float) -> Optional[str]:
@@ -338,8 +320,13 @@ def run_in_process(argv: list[str], seconds: float) -> Optional[str]:
 def unigram_entropy(sequences: Iterable[Iterable[int]]) -> float:
     """Entropy in nats of the tokens' frequencies: the held-out loss of a model that learnt no context."""
     counts = collections.Counter(token for sequence in sequences for token in sequence)
-    total = sum(counts.values())
-    return -sum(c / total * math.log(c / total) for c in counts.values())
+    return counts_entropy(list(counts.values()))
+
+
+def counts_entropy(counts: Sequence[int]) -> float:
+    """Entropy in nats of the frequencies ``counts`` (zeros ignored)."""
+    total = sum(counts)
+    return -sum(c / total * math.log(c / total) for c in counts if c)
 
 
 def plateau(final: float, entropy: float) -> Result:
@@ -509,14 +496,9 @@ class Plan:
         return True
 
     def training_entropy(self, name: str) -> float:
-        """The unigram entropy of the masked-LM targets phase 1 trained on (its pairs, reused: :func:`reused_data`)."""
-        out = self.work / name
-        args = pretrain.parse_args(["--deepspeed_config", str(out / "configs/phase1.json"), *self.data_args()])
-        documents, _ = pretrain.load_documents(args, args.cache_dir / "corpus-cache")
-        train, _ = data.split_documents(documents, args.held_out_fraction, seed=args.data_seed)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out / "phase1" / "tokenizer"))
-        pairs = pretrain.load_examples(train, tokenizer, SIZES[name].seq, args.seed, args.cache_dir / "encoding-cache")
-        return unigram_entropy([t for t, special in zip(p.input_ids, p.special_mask) if not special] for p in pairs)
+        """The unigram entropy of the masked-LM targets phase 1 trained on: its shards' training instances."""
+        record = json.loads((self.work / name / "phase1" / "corpus.json").read_text())
+        return counts_entropy(shards.ShardSet.open(record["shards"]).token_counts("train").tolist())
 
     def source(self, name: str, batch: int) -> Optional[str]:
         """The earlier size of the plan that chose its rates at ``batch``, if any."""
@@ -585,7 +567,7 @@ def check(args: argparse.Namespace) -> Result:
     plan = parse_plan(args.plan or PLAN)  # checked in the dry run too, which runs its toy plan instead
     if args.tiny:
         plan = parse_plan(TINY_PLAN)
-    with tempfile.TemporaryDirectory(prefix="gpu_bert_") as tmp, reused_data():
+    with tempfile.TemporaryDirectory(prefix="gpu_bert_") as tmp, no_plots():
         runner = Plan(args, Path(tmp))
         runner.run(plan)
     result = runner.result

@@ -3,23 +3,24 @@
 Follows the original BERT recipe (``create_pretraining_data.py``) and NVIDIA's
 PyTorch port of it, written from scratch for this repository:
 
-* a corpus is a list of documents, each a list of sentences; it comes from a
-  directory of text files, a Hugging Face dataset saved with ``save_to_disk``,
-  or an embedded corpus built from docstrings, so the example runs offline
-  with nothing to download. The "packages" corpus (``docstring_corpus``, the
-  pretraining script's default) parses with ``ast``, without importing them,
-  the ``.py`` sources of the standard library and of the pinned dependencies
-  (``CORPUS_PACKAGES``): with Python 3.11 and requirements-dev.txt's versions,
-  about 34k documents, 237k sentences and 18 MB of text, 120k NSP training
-  pairs at sequence length 64 and a 1024-token vocabulary; it takes about 30 s
-  to build and is cached. The "stdlib" corpus (``stdlib_corpus``, the
-  library's default) takes the docstrings of ~230 imported standard-library
-  modules: 2.3k documents, 0.8 MB, 5.4k such pairs;
+* a corpus is documents, each a list of sentences; it comes from a directory of
+  text files or a Hugging Face dataset saved with ``save_to_disk`` (read in
+  pieces by ``sources.py``), or from an embedded corpus built from docstrings,
+  so the example runs offline with nothing to download. The "packages" corpus
+  (``docstring_corpus``, the pretraining script's default) parses with ``ast``,
+  without importing them, the ``.py`` sources of the standard library and of
+  the pinned dependencies (``CORPUS_PACKAGES``): with Python 3.11 and
+  requirements-dev.txt's versions, about 34k documents, 237k sentences and
+  18 MB of text; it takes about 30 s to build and is cached. The "stdlib"
+  corpus (``stdlib_corpus``, the library's default) takes the docstrings of
+  ~230 imported standard-library modules: 2.3k documents, 0.8 MB;
 * a lowercase WordPiece vocabulary is trained on it with ``tokenizers``;
 * documents (never sentences) are split into a training set and a held-out set;
 * sentence pairs ``[CLS] A [SEP] B [SEP]`` are built for next-sentence
   prediction, B being the true continuation of A half of the time and a segment
-  of another document otherwise;
+  of another document otherwise, as ranges of a flat array of token ids
+  (``pair_ranges``: what ``prepare.py`` writes to a shard, and
+  ``build_examples`` builds in memory for a small corpus);
 * masked-LM labels are drawn per access (dynamic masking, as RoBERTa and
   NVIDIA's recipe do): each (seed, epoch, example) triple has its own RNG, so a
   run is reproducible whatever the DataLoader order or number of workers.
@@ -43,16 +44,16 @@ import random
 import re
 import sysconfig
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import tokenizers
-import torch
-import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from torch.utils.data import Dataset
+
+if TYPE_CHECKING:  # imported where used: a preparation worker needs neither (torch alone is 220 MB of memory)
+    import torch
+    import transformers
 
 Document = list[str]
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] first: its id is 0, collate's default.
@@ -156,7 +157,7 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (part.strip() for part in _SENTENCE_END.split(" ".join(text.split()))) if s]
 
 
-def _blocks_to_documents(text: str) -> list[Document]:
+def text_documents(text: str) -> list[Document]:
     """Documents are blocks of non-blank lines; each line holds one or more sentences."""
     documents, current = [], []
     for line in text.splitlines() + [""]:
@@ -165,45 +166,6 @@ def _blocks_to_documents(text: str) -> list[Document]:
         elif current:
             documents.append(current)
             current = []
-    return documents
-
-
-def read_text_dir(path: str | os.PathLike) -> list[Document]:
-    """Documents from the ``*.txt`` files of a directory (sorted by name), separated by blank lines."""
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"text corpus directory {str(root)!r} does not exist")
-    files = sorted(root.glob("*.txt"))
-    if not files:
-        raise FileNotFoundError(f"no .txt files in {str(root)!r}")
-    documents = [doc for file in files for doc in _blocks_to_documents(file.read_text(encoding="utf-8"))]
-    if not documents:
-        raise ValueError(f"the .txt files in {str(root)!r} hold no text")
-    return documents
-
-
-def read_hf_dataset(path: str | os.PathLike, text_column: str = "text") -> list[Document]:
-    """Documents from a ``datasets`` dataset saved with ``save_to_disk``: one row, one document.
-
-    A row's lines are split into sentences as in ``read_text_dir``. A
-    ``DatasetDict`` must have a "train" split, which is the one read.
-    """
-    import datasets  # Imported here: only this source needs it.
-
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise ValueError(f"dataset at {str(path)!r} has no 'train' split (splits: {sorted(loaded)})")
-        loaded = loaded["train"]
-    if text_column not in loaded.column_names:
-        raise ValueError(f"dataset at {str(path)!r} has no column {text_column!r} (columns: {loaded.column_names})")
-    documents = [
-        sentences
-        for text in loaded[text_column]
-        if text and (sentences := [s for line in text.splitlines() for s in split_sentences(line)])
-    ]
-    if not documents:
-        raise ValueError(f"column {text_column!r} of the dataset at {str(path)!r} holds no text")
     return documents
 
 
@@ -424,42 +386,12 @@ def embedded_corpus(name: str = "stdlib", cache_dir: str | os.PathLike | None = 
     raise ValueError(f"unknown embedded corpus {name!r} (choose from {', '.join(EMBEDDED_CORPORA)})")
 
 
-def load_corpus(
-    text_dir: str | os.PathLike | None = None,
-    hf_dataset: str | os.PathLike | None = None,
-    text_column: str = "text",
-    embedded: str = "stdlib",
-    cache_dir: str | os.PathLike | None = None,
-) -> list[Document]:
-    """The corpus from a text directory, a saved Hugging Face dataset, or (neither given) an embedded one."""
-    if text_dir is not None and hf_dataset is not None:
-        raise ValueError("give a text directory or a Hugging Face dataset, not both")
-    if text_dir is not None:
-        return read_text_dir(text_dir)
-    if hf_dataset is not None:
-        return read_hf_dataset(hf_dataset, text_column)
-    return embedded_corpus(embedded, cache_dir)
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 
 def corpus_digest(documents: Sequence[Document]) -> str:
     """SHA-256 of the documents' sentences and their grouping; keys the tokenizer and sentence-ids caches."""
     return hashlib.sha256(json.dumps(documents, ensure_ascii=False).encode("utf-8")).hexdigest()
-
-
-def _wrap(backend: Tokenizer) -> transformers.PreTrainedTokenizerFast:
-    """A ``transformers`` tokenizer over a trained ``tokenizers`` one, with BERT's special tokens named."""
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )
 
 
 def _bert_tokenizer(vocab: dict[str, int] | None = None) -> Tokenizer:
@@ -471,8 +403,9 @@ def _bert_tokenizer(vocab: dict[str, int] | None = None) -> Tokenizer:
     return tokenizer
 
 
-def _train_wordpiece(documents: Sequence[Document], vocab_size: int, min_frequency: int) -> Tokenizer:
-    """Learn a WordPiece vocabulary deterministically and return the pipeline using it.
+def train_wordpiece(sentences: Callable[[], Iterable[str]], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """Learn a WordPiece vocabulary deterministically from the sentences ``sentences()`` yields (called twice, so a
+    large sample streams from disk instead of being held) and return the pipeline using it.
 
     ``tokenizers``' trainer numbers the "##x" continuation pieces in hash-map
     order and breaks ties between equally frequent merges by those numbers, so
@@ -481,80 +414,93 @@ def _train_wordpiece(documents: Sequence[Document], vocab_size: int, min_frequen
     passed as trainer special tokens only for that, and the final tokenizer is
     rebuilt from the learned vocabulary so that they are ordinary pieces.
     """
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
     draft = _bert_tokenizer()
-    continuation_chars = sorted(
-        {
-            char
-            for doc in documents
-            for word, _ in draft.pre_tokenizer.pre_tokenize_str(draft.normalizer.normalize_str("\n".join(doc)))
-            for char in word[1:]
-        }
-    )
+    continuation_chars: set[str] = set()
+    stream = iter(sentences())
+    while batch := list(itertools.islice(stream, 1024)):  # one normalizer call per 1,024 sentences
+        words = draft.pre_tokenizer.pre_tokenize_str(draft.normalizer.normalize_str("\n".join(batch)))
+        continuation_chars.update(char for word, _ in words for char in word[1:])
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS + [f"##{char}" for char in continuation_chars],
+        special_tokens=SPECIAL_TOKENS + [f"##{char}" for char in sorted(continuation_chars)],
         show_progress=False,
         continuing_subword_prefix="##",
     )
-    draft.train_from_iterator((sentence for doc in documents for sentence in doc), trainer=trainer)
+    draft.train_from_iterator(sentences(), trainer=trainer)
     tokenizer = _bert_tokenizer(draft.get_vocab(with_added_tokens=False))
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
     return tokenizer
+
+
+def wrap_tokenizer(backend: Tokenizer) -> transformers.PreTrainedTokenizerFast:
+    """A ``transformers`` tokenizer over a ``tokenizers`` one, with BERT's special tokens named."""
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
 
 
 def train_tokenizer(
     documents: Sequence[Document], vocab_size: int = 8192, cache_dir: str | os.PathLike | None = None
 ) -> transformers.PreTrainedTokenizerFast:
-    """Train BERT's lowercase WordPiece tokenizer on the documents' sentences.
+    """Train BERT's lowercase WordPiece tokenizer on the documents' sentences (:func:`train_wordpiece`).
 
     With ``cache_dir`` the trained tokenizer is saved there as ``tokenizers``
     JSON under a key hashed from the settings and the corpus digest, and later
     calls with the same corpus and settings load it instead of retraining.
     """
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
     settings = {"vocab_size": vocab_size, "min_frequency": 2, "special_tokens": SPECIAL_TOKENS, "lowercase": True}
     cache_file = None
     if cache_dir is not None:
         key = hashlib.sha256(json.dumps([settings, corpus_digest(documents)]).encode()).hexdigest()[:20]
         cache_file = Path(cache_dir) / f"bert-wordpiece-{key}.json"
         if cache_file.is_file():
-            return _wrap(Tokenizer.from_file(str(cache_file)))
+            return wrap_tokenizer(Tokenizer.from_file(str(cache_file)))
 
-    backend = _train_wordpiece(documents, vocab_size, settings["min_frequency"])
-    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
-    )
+    backend = train_wordpiece(lambda: (s for doc in documents for s in doc), vocab_size, settings["min_frequency"])
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
         backend.save(str(partial))
         os.replace(partial, cache_file)  # Atomic: a concurrent reader never sees half a file.
-    return _wrap(backend)
+    return wrap_tokenizer(backend)
 
 
 # --------------------------------------------------------------------------- held-out split
 
 
 def split_documents(
-    documents: Sequence[Document], held_out_fraction: float = 0.02, seed: int = 0
+    documents: Sequence[Document], held_out_fraction: float = 0.02, seed: int | str = 0, minimum: int = 1
 ) -> tuple[list[Document], list[Document]]:
     """Split whole documents (never sentences) into (train, held-out), keeping the corpus order in each.
 
     Splitting by document keeps held-out text, and every sentence pair built
     from it, out of training (train the tokenizer on the training part too).
-    At least one document is held out when the fraction is positive and there
-    are two or more.
+    When the fraction is positive and there are ``2 * minimum`` documents or
+    more, each side keeps at least ``minimum`` (a preparation shard holds out
+    two, so that its held-out pairs can draw a random B from another document).
     """
     if not 0.0 <= held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}")
     count = round(len(documents) * held_out_fraction)
-    if held_out_fraction > 0 and len(documents) >= 2:
-        count = min(max(count, 1), len(documents) - 1)
+    if held_out_fraction > 0 and len(documents) >= 2 * minimum:
+        count = min(max(count, minimum), len(documents) - minimum)
     order = list(range(len(documents)))
     random.Random(seed).shuffle(order)
     held = set(order[:count])
@@ -565,59 +511,55 @@ def split_documents(
 # --------------------------------------------------------------------------- NSP pairs and MLM masking
 
 
-Span = tuple[int, int, int]  # (document index, first sentence, end sentence) in the documents given.
-_Sentence = tuple[int, list[int]]  # (sentence index in its document, token ids)
+class Pair(NamedTuple):
+    """One ``[CLS] A [SEP] B [SEP]`` instance as two ranges of a flat array of token ids (no special tokens).
 
-
-class PretrainingExample(NamedTuple):
-    """One unmasked ``[CLS] A [SEP] B [SEP]`` instance and where its two segments came from."""
-
-    input_ids: list[int]
-    token_type_ids: list[int]
-    special_mask: list[int]  # 1 at [CLS] and the two [SEP]s: never masked.
-    next_sentence_label: int  # 0: B follows A in the document; 1: B is from another document.
-    a_span: Span
-    b_span: Span
-
-
-def _truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int, rng: random.Random) -> None:
-    """Trim the longer segment, from its front or back at random, until the pair fits (as BERT does)."""
-    while len(tokens_a) + len(tokens_b) > max_tokens:
-        longer = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del longer[0]
-        else:
-            longer.pop()
-
-
-def _span(doc_index: int, sentences: list[_Sentence]) -> Span:
-    return doc_index, sentences[0][0], sentences[-1][0] + 1
-
-
-def _document_examples(
-    corpus: list[list[_Sentence]],
-    usable: list[int],
-    position: int,
-    max_tokens: int,
-    short_seq_prob: float,
-    cls_id: int,
-    sep_id: int,
-    rng: random.Random,
-) -> list[PretrainingExample]:
-    """BERT's instances for document ``usable[position]``: chunks of consecutive sentences cut into A and B.
-
-    Unlike the original, a one-sentence chunk does not force a random B: when
-    the coin says "actual next", A borrows the following (or preceding)
-    sentence of its document, so NSP labels stay a fair coin; only a
-    one-sentence document always gets a random B.
+    A is a run of consecutive sentences of one document, B the rest of its chunk or a run of another document's
+    sentences, each cut at either end by the truncation: so each is one contiguous range of the array in which the
+    documents' sentences lie one after another (a prepared shard's ``tokens.npy``).
     """
-    doc_index = usable[position]
-    document = corpus[doc_index]
+
+    a_start: int
+    a_length: int
+    b_start: int
+    b_length: int
+    next_sentence_label: int  # 0: B follows A in the document; 1: B is from another document.
+
+
+Sentence = tuple[int, int]
+"""A sentence's (start, length) in the flat array of token ids."""
+
+
+def _truncate(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
+    """Trim the longer of the ``[start, length]`` segments, from its front or back at random, until the pair fits
+    (as BERT trims its token lists)."""
+    while a[1] + b[1] > max_tokens:
+        longer = a if a[1] > b[1] else b
+        if rng.random() < 0.5:
+            longer[0] += 1
+        longer[1] -= 1
+
+
+def _run(sentences: Sequence[Sentence]) -> list[int]:
+    """The ``[start, length]`` of consecutive sentences (empty ones, which hold no tokens, are never in a run)."""
+    return [sentences[0][0], sentences[-1][0] + sentences[-1][1] - sentences[0][0]]
+
+
+def _document_pairs(
+    documents: Sequence[Sequence[Sentence]], position: int, max_tokens: int, short_seq_prob: float, rng: random.Random
+) -> list[Pair]:
+    """BERT's instances for ``documents[position]``: chunks of consecutive sentences cut into A and B.
+
+    As in BERT's ``create_pretraining_data.py``, but a one-sentence chunk does not force a random B: when the coin
+    says "actual next", A borrows the following (or preceding) sentence of its document, so NSP labels stay a fair
+    coin; only a one-sentence document always gets a random B.
+    """
+    document = documents[position]
     target = rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
-    examples, chunk, length, i = [], [], 0, 0
+    pairs, chunk, length, i = [], [], 0, 0
     while i < len(document):
         chunk.append(document[i])
-        length += len(document[i][1])
+        length += document[i][1]
         if i == len(document) - 1 or length >= target:
             random_next = rng.random() < 0.5
             if len(chunk) == 1 and not random_next:
@@ -629,92 +571,111 @@ def _document_examples(
                 else:
                     random_next = True
             a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
-            segment_a = chunk[:a_end]
-            tokens_a = [t for _, ids in segment_a for t in ids]
+            a = _run(chunk[:a_end])
             if random_next:
-                other = rng.randrange(len(usable) - 1)
-                b_index = usable[other + (other >= position)]
-                other_doc = corpus[b_index]
+                other = rng.randrange(len(documents) - 1)
+                other_document = documents[other + (other >= position)]
                 segment_b, b_length = [], 0
-                for sentence in other_doc[rng.randrange(len(other_doc)) :]:
+                for sentence in other_document[rng.randrange(len(other_document)) :]:
                     segment_b.append(sentence)
-                    b_length += len(sentence[1])
-                    if b_length >= target - len(tokens_a):
+                    b_length += sentence[1]
+                    if b_length >= target - a[1]:
                         break
                 i -= len(chunk) - a_end  # The sentences not used for A start the next chunk, as in BERT.
             else:
-                b_index, segment_b = doc_index, chunk[a_end:]
-            tokens_b = [t for _, ids in segment_b for t in ids]
-            _truncate_pair(tokens_a, tokens_b, max_tokens, rng)
-            examples.append(
-                PretrainingExample(
-                    input_ids=[cls_id, *tokens_a, sep_id, *tokens_b, sep_id],
-                    token_type_ids=[0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1),
-                    special_mask=[1] + [0] * len(tokens_a) + [1] + [0] * len(tokens_b) + [1],
-                    next_sentence_label=int(random_next),
-                    a_span=_span(doc_index, segment_a),
-                    b_span=_span(b_index, segment_b),
-                )
-            )
+                segment_b = chunk[a_end:]
+            b = _run(segment_b)
+            _truncate(a, b, max_tokens, rng)
+            pairs.append(Pair(a[0], a[1], b[0], b[1], int(random_next)))
             chunk, length = [], 0
         i += 1
-    return examples
+    return pairs
 
 
-def encode_sentences(
-    documents: Sequence[Document],
-    tokenizer: transformers.PreTrainedTokenizerBase,
-    cache_dir: str | os.PathLike | None = None,
-) -> list[list[int]]:
-    """The token ids (no special tokens) of every sentence of the documents, in order.
+def pair_ranges(
+    documents: Sequence[Sequence[Sentence]], max_seq_length: int, short_seq_prob: float, rng: random.Random
+) -> list[Pair]:
+    """The NSP instances of documents given as their sentences' ranges in a flat array of token ids.
 
-    With ``cache_dir`` (which needs a fast tokenizer) the ids are saved there
-    as ``.npz``, one flat array of ids and the sentences' offsets into it,
-    under a key hashed from this module's code, the corpus digest, the
-    tokenizer's class and serialized pipeline and the ``tokenizers`` and
-    ``transformers`` versions; later calls with the same documents and
-    tokenizer load them instead of encoding (a second or two instead of 20-30 s
-    for the "packages" corpus's training split).
+    Each document is cut into chunks of consecutive sentences filling ``max_seq_length - 3`` tokens (shorter with
+    probability ``short_seq_prob``); A is a prefix of a chunk and B the rest of it or, half of the time, a run of
+    sentences from another document. Empty sentences and documents are skipped. The same instances, in the same
+    order, whether the ids are held in memory (:func:`build_examples`) or in a prepared shard.
     """
-    with _gc_paused():
-        return _encode_sentences(documents, tokenizer, cache_dir)
+    if max_seq_length < 5:
+        raise ValueError(f"max_seq_length must leave room for [CLS] A [SEP] B [SEP], got {max_seq_length}")
+    usable = [kept for doc in documents if (kept := [s for s in doc if s[1]])]
+    if len(usable) < 2:
+        raise ValueError("next-sentence prediction needs at least two documents with text")
+    return [
+        pair
+        for position in range(len(usable))
+        for pair in _document_pairs(usable, position, max_seq_length - 3, short_seq_prob, rng)
+    ]
 
 
-def _encode_sentences(
-    documents: Sequence[Document],
-    tokenizer: transformers.PreTrainedTokenizerBase,
-    cache_dir: str | os.PathLike | None,
-) -> list[list[int]]:
-    cache_file = None
-    if cache_dir is not None:
-        identity = [
-            _CODE_DIGEST,
-            corpus_digest(documents),
-            type(tokenizer).__name__,
-            tokenizer.backend_tokenizer.to_str(),
-            tokenizers.__version__,
-            transformers.__version__,
-        ]
-        key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
-        cache_file = Path(cache_dir) / f"sentence-ids-{key}.npz"
-        if cache_file.is_file():
-            with np.load(cache_file) as saved:
-                ids, offsets = saved["ids"].tolist(), saved["offsets"].tolist()
-            return [ids[start:end] for start, end in zip(offsets, offsets[1:])]
+def encode_flat(
+    sentences: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype, batch: int = 4096
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every sentence's token ids (no special tokens) in one flat array of ``dtype``, and each sentence's length.
 
-    flat = [sentence for doc in documents for sentence in doc]
-    encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
-    if cache_file is not None:
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(ids) for ids in encoded], out=offsets[1:])
-        dtype = np.min_scalar_type(len(tokenizer) - 1)  # uint16 for vocabularies up to 64k.
-        ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(offsets[-1]))
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        with partial.open("wb") as file:  # A file, not a name: np.savez would append ".npz" to the name.
-            np.savez(file, ids=ids, offsets=offsets)
-        os.replace(partial, cache_file)  # Atomic: a concurrent reader never sees half a file.
-    return encoded
+    Encoded ``batch`` sentences at a time with the fast ``tokenizers`` backend, so memory holds the flat arrays and
+    one batch of Python ids, never the whole corpus's.
+    """
+    tokens, lengths, pending = [], [], []
+
+    def flush() -> None:
+        ids = [encoding.ids for encoding in tokenizer.encode_batch(pending, add_special_tokens=False)]
+        counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        tokens.append(np.fromiter(itertools.chain.from_iterable(ids), dtype, int(counts.sum())))
+        lengths.append(counts)
+        pending.clear()
+
+    for sentence in sentences:
+        pending.append(sentence)
+        if len(pending) == batch:
+            flush()
+    if pending:
+        flush()
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(tokens) if tokens else empty.astype(dtype)), (np.concatenate(lengths) if lengths else empty)
+
+
+def document_sentences(documents: Sequence[Document], lengths: np.ndarray, start: int = 0) -> list[list[Sentence]]:
+    """Each document's sentences as ``(start, length)`` in the flat array :func:`encode_flat` made of them (whose
+    first token is at ``start``)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]) + start
+    ranges, first = [], 0
+    for doc in documents:
+        ranges.append([(int(offsets[k]), int(lengths[k])) for k in range(first, first + len(doc))])
+        first += len(doc)
+    return ranges
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding every id of a vocabulary (uint16 up to 65,536 tokens)."""
+    return np.dtype(np.min_scalar_type(max(vocab_size - 1, 0)))
+
+
+class PretrainingExample(NamedTuple):
+    """One unmasked ``[CLS] A [SEP] B [SEP]`` instance."""
+
+    input_ids: list[int]
+    token_type_ids: list[int]
+    special_mask: list[int]  # 1 at [CLS] and the two [SEP]s: never masked.
+    next_sentence_label: int  # 0: B follows A in the document; 1: B is from another document.
+
+
+def assemble(tokens: np.ndarray, pair: Pair, cls_id: int, sep_id: int) -> PretrainingExample:
+    """The instance a :class:`Pair` of ranges into ``tokens`` describes."""
+    a = tokens[pair.a_start : pair.a_start + pair.a_length].tolist()
+    b = tokens[pair.b_start : pair.b_start + pair.b_length].tolist()
+    return PretrainingExample(
+        input_ids=[cls_id, *a, sep_id, *b, sep_id],
+        token_type_ids=[0] * (len(a) + 2) + [1] * (len(b) + 1),
+        special_mask=[1] + [0] * len(a) + [1] + [0] * len(b) + [1],
+        next_sentence_label=int(pair.next_sentence_label),
+    )
 
 
 def build_examples(
@@ -723,56 +684,34 @@ def build_examples(
     max_seq_length: int = 128,
     short_seq_prob: float = 0.1,
     seed: int = 0,
-    cache_dir: str | os.PathLike | None = None,
 ) -> list[PretrainingExample]:
-    """Sentence-pair instances for NSP and MLM from every document, deterministic for a seed:
-    :func:`pair_examples` of the documents' :func:`encode_sentences` (``cache_dir`` caches those; the examples
-    are the same with or without it)."""
-    encoded = encode_sentences(documents, tokenizer, cache_dir)
-    return pair_examples(documents, encoded, tokenizer, max_seq_length, short_seq_prob, seed)
-
-
-def pair_examples(
-    documents: Sequence[Document],
-    encoded: Sequence[list[int]],
-    tokenizer: transformers.PreTrainedTokenizerBase,
-    max_seq_length: int = 128,
-    short_seq_prob: float = 0.1,
-    seed: int = 0,
-) -> list[PretrainingExample]:
-    """The instances of :func:`build_examples` from the documents' sentences encoded by :func:`encode_sentences`.
-
-    As in BERT's ``create_pretraining_data.py``: each document is cut into
-    chunks of consecutive sentences filling ``max_seq_length - 3`` tokens
-    (shorter with probability ``short_seq_prob``), A is a prefix of a chunk and
-    B is the rest of it or, half of the time, a run of sentences from another
-    document. Sentences that tokenize to nothing are skipped.
-    """
-    if max_seq_length < 5:
-        raise ValueError(f"max_seq_length must leave room for [CLS] A [SEP] B [SEP], got {max_seq_length}")
+    """Sentence-pair instances for NSP and MLM from every document, in memory, deterministic for a seed: the
+    documents' sentences :func:`encode_flat`-ed and cut by :func:`pair_ranges` (what a preparation shard holds, for
+    a corpus small enough to hold; ``prepare.py`` streams a large one to disk)."""
     with _gc_paused():
-        corpus, start = [], 0
-        for doc in documents:
-            corpus.append([(j, ids) for j, ids in enumerate(encoded[start : start + len(doc)]) if ids])
-            start += len(doc)
-        usable = [i for i, doc in enumerate(corpus) if doc]
-        if len(usable) < 2:
-            raise ValueError("next-sentence prediction needs at least two documents with text")
-        rng = random.Random(seed)
-        cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
-        return [
-            example
-            for position in range(len(usable))
-            for example in _document_examples(
-                corpus, usable, position, max_seq_length - 3, short_seq_prob, cls_id, sep_id, rng
-            )
-        ]
+        dtype = token_dtype(len(tokenizer))
+        tokens, lengths = encode_flat((s for doc in documents for s in doc), tokenizer.backend_tokenizer, dtype)
+        pairs = pair_ranges(document_sentences(documents, lengths), max_seq_length, short_seq_prob, random.Random(seed))
+        return [assemble(tokens, pair, tokenizer.cls_token_id, tokenizer.sep_token_id) for pair in pairs]
+
+
+class Vocabulary(NamedTuple):
+    """What masking needs of a tokenizer (small and picklable, for data-loader workers)."""
+
+    size: int
+    mask_id: int
+    pad_id: int
+    special_ids: frozenset[int]
+
+    @classmethod
+    def of(cls, tokenizer: transformers.PreTrainedTokenizerBase) -> "Vocabulary":
+        return cls(len(tokenizer), tokenizer.mask_token_id, tokenizer.pad_token_id, frozenset(tokenizer.all_special_ids))
 
 
 def mask_tokens(
     input_ids: Sequence[int],
     special_mask: Sequence[int],
-    tokenizer: transformers.PreTrainedTokenizerBase,
+    vocab: Vocabulary,
     rng: random.Random,
     mlm_probability: float = 0.15,
 ) -> tuple[list[int], list[int]]:
@@ -788,32 +727,48 @@ def mask_tokens(
     count = round(len(candidates) * mlm_probability)
     if mlm_probability > 0 and candidates:
         count = max(count, 1)
-    special_ids = set(tokenizer.all_special_ids)
-    vocab_size = len(tokenizer)
     corrupted, labels = list(input_ids), [IGNORE_INDEX] * len(input_ids)
     for pos in sorted(rng.sample(candidates, count)):
         labels[pos] = input_ids[pos]
         draw = rng.random()
         if draw < 0.8:
-            corrupted[pos] = tokenizer.mask_token_id
+            corrupted[pos] = vocab.mask_id
         elif draw < 0.9:
-            token = rng.randrange(vocab_size)
-            while token in special_ids:
-                token = rng.randrange(vocab_size)
+            token = rng.randrange(vocab.size)
+            while token in vocab.special_ids:
+                token = rng.randrange(vocab.size)
             corrupted[pos] = token
     return corrupted, labels
+
+
+def masked_item(
+    example: PretrainingExample, vocab: Vocabulary, key: str, mlm_probability: float = 0.15
+) -> dict[str, list[int] | int]:
+    """An instance with its masks drawn from an RNG seeded by ``key`` (``"seed:epoch:index"``: a string seed hashes
+    with SHA-512, stably), as ``BertForPreTraining.forward``'s unpadded keyword arguments."""
+    input_ids, labels = mask_tokens(
+        example.input_ids, example.special_mask, vocab, random.Random(key), mlm_probability
+    )
+    return {
+        "input_ids": input_ids,
+        "token_type_ids": example.token_type_ids,
+        "labels": labels,
+        "next_sentence_label": example.next_sentence_label,
+    }
 
 
 # --------------------------------------------------------------------------- dataset and batching
 
 
-class PretrainingDataset(Dataset):
-    """Examples with masks drawn per access (dynamic masking), from an RNG seeded by (seed, epoch, index).
+class PretrainingDataset:
+    """A map-style dataset (``__len__``, ``__getitem__``, as ``DataLoader`` and ``Trainer`` take) of examples with
+    masks drawn per access (dynamic masking), from an RNG seeded by (seed, epoch, index).
 
     Every epoch (see ``set_epoch``) sees fresh masks, yet an item is the same
     whichever worker loads it and in whatever order. With persistent DataLoader
     workers call ``set_epoch`` before the workers are started, as they hold a
-    copy of the dataset.
+    copy of the dataset. For a corpus held in memory (the Trainer example); the
+    pretraining script reads prepared shards (``loading.py``).
     """
 
     def __init__(
@@ -824,7 +779,7 @@ class PretrainingDataset(Dataset):
         seed: int = 0,
     ) -> None:
         self.examples = list(examples)
-        self.tokenizer = tokenizer
+        self.vocab = Vocabulary.of(tokenizer)
         self.mlm_probability = mlm_probability
         self.seed = seed
         self.epoch = 0
@@ -837,37 +792,37 @@ class PretrainingDataset(Dataset):
         return len(self.examples)
 
     def __getitem__(self, index: int) -> dict[str, list[int] | int]:
-        example = self.examples[index]
-        rng = random.Random(f"{self.seed}:{self.epoch}:{index}")  # str seeds hash with SHA-512: stable.
-        input_ids, labels = mask_tokens(
-            example.input_ids, example.special_mask, self.tokenizer, rng, self.mlm_probability
-        )
-        return {
-            "input_ids": input_ids,
-            "token_type_ids": example.token_type_ids,
-            "labels": labels,
-            "next_sentence_label": example.next_sentence_label,
-        }
+        key = f"{self.seed}:{self.epoch}:{index}"
+        return masked_item(self.examples[index], self.vocab, key, self.mlm_probability)
 
 
-def collate(batch: Sequence[dict[str, list[int] | int]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Pad items to the longest and stack them as ``BertForPreTraining.forward``'s keyword arguments.
+def collate_arrays(batch: Sequence[dict[str, list[int] | int]], pad_token_id: int = 0) -> dict[str, np.ndarray]:
+    """Pad items to the longest and stack them as ``BertForPreTraining.forward``'s keyword arguments, in int64
+    numpy arrays (which cross from a data-loader worker by pickle, cheaper than tensors through shared memory).
 
     ``pad_token_id`` defaults to 0, the id of [PAD] in ``train_tokenizer``'s
     vocabulary. Padding gets attention mask 0 and label -100.
     """
     length = max(len(item["input_ids"]) for item in batch)
-
-    def padded(key: str, value: int) -> torch.Tensor:
-        return torch.tensor([item[key] + [value] * (length - len(item[key])) for item in batch], dtype=torch.long)
-
-    return {
-        "input_ids": padded("input_ids", pad_token_id),
-        "token_type_ids": padded("token_type_ids", 0),
-        "attention_mask": torch.tensor(
-            [[1] * len(item["input_ids"]) + [0] * (length - len(item["input_ids"])) for item in batch],
-            dtype=torch.long,
-        ),
-        "labels": padded("labels", IGNORE_INDEX),
-        "next_sentence_label": torch.tensor([item["next_sentence_label"] for item in batch], dtype=torch.long),
+    shape = (len(batch), length)
+    arrays = {
+        "input_ids": np.full(shape, pad_token_id, dtype=np.int64),
+        "token_type_ids": np.zeros(shape, dtype=np.int64),
+        "attention_mask": np.zeros(shape, dtype=np.int64),
+        "labels": np.full(shape, IGNORE_INDEX, dtype=np.int64),
     }
+    for row, item in enumerate(batch):
+        n = len(item["input_ids"])
+        arrays["input_ids"][row, :n] = item["input_ids"]
+        arrays["token_type_ids"][row, :n] = item["token_type_ids"]
+        arrays["attention_mask"][row, :n] = 1
+        arrays["labels"][row, :n] = item["labels"]
+    arrays["next_sentence_label"] = np.array([item["next_sentence_label"] for item in batch], dtype=np.int64)
+    return arrays
+
+
+def collate(batch: Sequence[dict[str, list[int] | int]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`collate_arrays` as tensors (a ``DataLoader``'s or ``Trainer``'s collate function)."""
+    import torch
+
+    return {key: torch.from_numpy(value) for key, value in collate_arrays(batch, pad_token_id).items()}

@@ -30,7 +30,8 @@ from transformers import BertConfig, BertForPreTraining, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data  # noqa: E402
-from pretrain import ROOT, load_tokenizer  # noqa: E402
+import sources  # noqa: E402
+from pretrain import ROOT, rank_zero_first  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac.hf import KFACTrainer  # noqa: E402
@@ -57,9 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
 
-    train_docs, _ = data.split_documents(data.load_corpus(), held_out_fraction=0.05)
-    tokenizer_args = argparse.Namespace(tokenizer=None)
-    tokenizer = load_tokenizer(tokenizer_args, train_docs, VOCAB, args.output_dir / "tokenizer-cache")
+    train_docs, _ = data.split_documents(sources.load_corpus(), held_out_fraction=0.05)
+    cache = args.output_dir / "tokenizer-cache"
+    tokenizer = rank_zero_first(lambda: data.train_tokenizer(train_docs, VOCAB, cache_dir=cache))  # rank 0 trains
     train_set = data.PretrainingDataset(data.build_examples(train_docs, tokenizer, SEQ, seed=0), tokenizer, seed=0)
     model_config = json.loads((ROOT / "configs/bert/bert-tiny.json").read_text())
     model_config.update(vocab_size=len(tokenizer))

@@ -29,19 +29,22 @@ from ds_kfac.integration.cleanup import run_launcher  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bert_cpu_phase1_lamb.json"
 COMPLETE = "phase1-complete.json"
+EXAMPLE_FILES = ("pretrain.py", "recipe.py", "data.py", "sources.py", "prepare.py", "shards.py", "loading.py")
+"""The example's modules phase 1 runs: its loop and config, and the embedded corpus's way into shards and batches
+(not ``nvidia.py``, which only ``--nvidia-hdf5`` imports)."""
 """Written into the run's directory when it finished: a directory without it is rebuilt."""
 
 
 def code_files(root: Path) -> list[Path]:
     """The code under ``root`` whose change makes a new phase 1. Phase 1 is plain DeepSpeed with a JSON ``Lamb``,
-    so it runs the example's training loop and data (``pretrain.py``, ``data.py``), ``ds_kfac.initialize``'s
+    so it runs the example's training loop and data (:data:`EXAMPLE_FILES`), ``ds_kfac.initialize``'s
     building of that optimizer (``initialize.py``, ``integration/optimizer_setup.py``: which class, for which
     device), and the LAMB it resolves to (``optimizers/resolve.py``, ``optimizers/lamb.py``) with the ds_kfac
     modules those two import (:func:`ds_kfac_imports`). Not the other optimizers (Muon, the client optimizers), nor
     the K-FAC engine that ``initialize.py`` imports but a config without ``"kfac"`` never builds: an edit there
     must not retrain a 14-minute phase 1."""
     lamb = ds_kfac_imports([root / "ds_kfac" / "optimizers" / name for name in ("lamb.py", "resolve.py")], root)
-    example = [root / "examples" / "bert" / name for name in ("pretrain.py", "data.py")]
+    example = [root / "examples" / "bert" / name for name in EXAMPLE_FILES]
     building = [root / "ds_kfac" / "integration" / name for name in ("initialize.py", "optimizer_setup.py")]
     return [*example, *building, *lamb]
 

@@ -5,101 +5,105 @@ Launch as any DeepSpeed script; the config file says everything about the phase:
     deepspeed --num_gpus 2 examples/bert/pretrain.py --deepspeed_config configs/bert_cpu_phase1_lamb.json
     deepspeed --num_gpus 2 examples/bert/pretrain.py --deepspeed_config configs/bert_cpu_phase2_kfac.json \\
         --init-checkpoint runs/bert/bert_cpu_phase1_lamb
+
+On a real corpus, prepare it once (``prepare.py``: documents to tokenized sentence pairs in shards on disk), then
+train from the shards, or from NVIDIA's preprocessed HDF5 shards as they are::
+
+    python examples/bert/prepare.py --text-dir /data/wikibooks --tokenizer /data/bert-large-uncased-tokenizer \\
+        --deepspeed_config configs/bert_large_phase1_kfac.json --out /data/shards/phase1 --workers 32
     deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase1_kfac.json \\
-        --text-dir /data/wikibooks --tokenizer /data/bert-large-uncased-tokenizer --output-dir runs/phase1
-    deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase2_kfac.json \\
-        --text-dir /data/wikibooks --tokenizer /data/bert-large-uncased-tokenizer --output-dir runs/phase2 \\
-        --init-checkpoint runs/phase1/bert_large_phase1_kfac/checkpoints
+        --shards /data/shards/phase1 --output-dir runs/phase1
+    deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase1_kfac.json \\
+        --nvidia-hdf5 /data/hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5
 
-Besides DeepSpeed's keys, the config has a ``"bert"`` section (read here, not
-passed to DeepSpeed): ``model`` (a ``transformers.BertConfig`` JSON),
-``max_seq_length``, ``max_steps``, ``warmup_proportion``, ``poly_power``,
-``eval_every``, ``save_every``, ``vocab_size`` (of the tokenizer trained
-when none is given). The learning rate follows NVIDIA's recipe:
-linear warm-up, then ``(1 - progress) ** poly_power`` decay. A
-``"client_optimizer"`` section (``{"class": "pytorch_optimizer.SOAP", "params":
-{...}}``) replaces the ``"optimizer"`` section with any ``torch.optim.Optimizer``
-(:func:`ds_kfac.optimizers.client.pop_client_optimizer`; both sections are refused), passed to
-``ds_kfac.initialize``.
+Besides DeepSpeed's keys, the config has a ``"bert"`` section (``recipe.py``; read here, not passed to DeepSpeed):
+``model`` (a ``transformers.BertConfig`` JSON), ``max_seq_length``, ``max_steps``, ``warmup_proportion``,
+``poly_power``, ``eval_every``, ``save_every``, ``vocab_size``. The learning rate follows NVIDIA's recipe:
+linear warm-up, then ``(1 - progress) ** poly_power`` decay. A ``"client_optimizer"`` section (``{"class":
+"pytorch_optimizer.SOAP", "params": {...}}``) replaces the ``"optimizer"`` section with any
+``torch.optim.Optimizer`` (:func:`ds_kfac.optimizers.client.pop_client_optimizer`; both sections are refused),
+passed to ``ds_kfac.initialize``.
 
-Data: ``--text-dir`` (plain-text files), ``--hf-dataset`` (a ``datasets``
-dataset saved with ``save_to_disk``), or by default an embedded corpus, so the
-script runs offline: ``--corpus packages`` (the default) reads the docstrings
-of the standard library's and the installed dependencies' Python sources
-(torch, transformers, deepspeed, numpy, scipy, scikit-learn, ...; about 34k
-documents, 18 MB of text and 120k training pairs at sequence length 64 and a
-1024-token vocabulary), parsed without importing them and cached in
-``<cache-dir>/corpus-cache`` (``--cache-dir``, default the output directory); ``--corpus stdlib`` is the earlier, smaller
-corpus of imported standard-library docstrings (2.3k documents, 5.4k such
-pairs). A WordPiece vocabulary is trained on the training documents (cached in
-``<cache-dir>/tokenizer-cache``), and the sentences' token ids are cached in
-``<cache-dir>/encoding-cache``. Documents are split into training and
-held-out sets; the held-out set is never trained on. The corpus digest and the
-versions of what it was built from are printed and recorded.
+Data: ``--shards`` (a directory ``prepare.py`` wrote: memory-mapped, each rank reading only the pairs it trains
+on; its sequence length, vocabulary and contents checked before step 1), ``--nvidia-hdf5`` (NVIDIA's shards with
+their static masks, ``nvidia.py``), or by default an embedded corpus, so the script runs offline: ``--corpus
+packages`` (the default) reads the docstrings of the standard library's and the installed dependencies' Python
+sources (about 34k documents, 18 MB of text), ``--corpus stdlib`` the smaller one of imported standard-library
+modules. The embedded corpus takes the same path as a real one: rank 0 prepares it into shards under
+``<cache-dir>/shards/`` once (``--cache-dir``, default the output directory; the corpus itself is cached in
+``<cache-dir>/corpus-cache``), with ``--data-seed`` (held-out split, tokenizer sample, sentence pairs) and
+``--held-out-fraction``. Sample order, masks and dropout are functions of ``--seed`` and the step; reading, masking
+and collation run in ``--loader-workers`` processes that prefetch micro-batches.
 
-Each run writes ``<output-dir>/<run-name>/``: ``metrics.csv`` (every step),
-``corpus.json`` (the corpus's source, package versions, digest, document and
-pair counts), ``tokenizer/`` (the tokenizer it used), ``checkpoints/`` (DeepSpeed checkpoints with K-FAC state), and
-refreshes ``<output-dir>/summary.txt`` and ``<output-dir>/loss.png`` with every
-run found there. ``--resume`` continues an interrupted run exactly (data
-order, masks and dropout are functions of the step); ``--init-checkpoint``
-starts phase 2 from phase 1's weights with a fresh optimizer and fresh K-FAC
-state (given a run directory, from its ``checkpoints/`` and with its ``tokenizer/``).
+Each run writes ``<output-dir>/<run-name>/``: ``metrics.csv`` (every step, with the seconds the step waited on
+data), ``corpus.json`` (the data's source, digest, counts), ``ranks/rank-<r>.json`` (each rank's time of its first
+step, data wait and resident memory), ``tokenizer/`` (the tokenizer it used), ``checkpoints/`` (DeepSpeed checkpoints
+with K-FAC state), and refreshes ``<output-dir>/summary.txt`` and ``<output-dir>/loss.png`` with every run found
+there. ``--resume`` continues an interrupted run exactly (data order, masks and dropout are functions of the step);
+``--init-checkpoint`` starts phase 2 from phase 1's weights with a fresh optimizer and fresh K-FAC state (given a
+run directory, from its ``checkpoints/`` and with its ``tokenizer/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import Dataset
 from tqdm import tqdm
 from transformers import BertConfig, BertForPreTraining, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data  # noqa: E402
+import loading  # noqa: E402
+import prepare  # noqa: E402
+import recipe  # noqa: E402
 import report  # noqa: E402
+import shards  # noqa: E402
 
 import ds_kfac  # noqa: E402
 
 T = TypeVar("T")
 
-BERT_DEFAULTS = {
-    "model": "configs/bert/bert-tiny.json",
-    "max_seq_length": 128,
-    "max_steps": 100,
-    "warmup_proportion": 0.1,
-    "poly_power": 0.5,
-    "eval_every": 25,
-    "save_every": 0,
-    "vocab_size": 8192,
-}
 ROOT = Path(__file__).resolve().parents[2]
+PREPARATION_CODE = hashlib.sha256(
+    b"".join((Path(__file__).parent / name).read_bytes() for name in ("data.py", "sources.py", "shards.py", "prepare.py"))
+).hexdigest()
+"""Keys the embedded corpus's prepared shards with the code that prepares them."""
+MEMORY_STEPS = (1, 10, 20, 50, 100)
+"""Steps after which each rank records its resident memory (and after the last)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--text-dir", type=Path, help="directory of plain-text files (default: embedded corpus)")
-    parser.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk")
-    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--shards", type=Path, help="prepared shards (examples/bert/prepare.py)")
+    parser.add_argument("--nvidia-hdf5", type=Path, help="a directory of NVIDIA's preprocessed HDF5 shards")
     parser.add_argument(
         "--corpus",
         choices=data.EMBEDDED_CORPORA,
         default="packages",
-        help="the embedded corpus, used without --text-dir or --hf-dataset: 'packages' (docstrings of the standard "
+        help="the embedded corpus, used without --shards or --nvidia-hdf5: 'packages' (docstrings of the standard "
         "library's and the dependencies' sources) or 'stdlib' (the small one of imported standard-library modules)",
     )
-    parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained); default: train one")
-    parser.add_argument("--vocab-size", type=int, help="override bert.vocab_size (when training a tokenizer)")
+    for flag in ("--text-dir", "--hf-dataset"):  # the old in-memory inputs, refused with the way to use them now
+        parser.add_argument(flag, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained) the shards must match")
+    parser.add_argument("--vocab-size", type=int, help="override bert.vocab_size")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bert"))
     parser.add_argument(
-        "--cache-dir", type=Path, help="the corpus, tokenizer and encoding caches (default: the output directory)"
+        "--cache-dir", type=Path, help="the embedded corpus and its prepared shards (default: the output directory)"
     )
     parser.add_argument("--run-name", help="default: the config file's name")
     parser.add_argument("--max-steps", type=int, help="override bert.max_steps")
@@ -115,16 +119,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-after", type=int, help="save a checkpoint and exit after this many steps (a job's time limit)"
     )
     parser.add_argument("--eval-batches", type=int, default=32, help="held-out micro-batches per evaluation")
-    parser.add_argument("--held-out-fraction", type=float, default=0.05)
+    parser.add_argument("--held-out-fraction", type=float, default=0.05, help="the embedded corpus's preparation")
     parser.add_argument("--seed", type=int, default=0, help="initialisation, data order, masks and dropout")
     parser.add_argument(
-        "--data-seed", type=int, default=0, help="held-out split, tokenizer and held-out masks (fixed across --seed)"
+        "--data-seed",
+        type=int,
+        default=0,
+        help="the embedded corpus's preparation (held-out split, tokenizer, sentence pairs) and which held-out pairs "
+        "are scored (fixed across --seed)",
     )
+    parser.add_argument("--loader-workers", type=int, default=1, help="processes reading and collating micro-batches")
+    parser.add_argument("--prefetch", type=int, default=4, help="micro-batches each loader worker makes ahead")
     parser.add_argument("--local_rank", type=int, default=-1)
     ds_kfac.add_config_arguments(parser)
     args = parser.parse_args(argv)
     if args.deepspeed_config is None:
         parser.error("--deepspeed_config is required")
+    old = "--text-dir" if args.text_dir is not None else "--hf-dataset" if args.hf_dataset is not None else None
+    if old is not None:
+        parser.error(
+            f"{old} is prepared once, then trained on: python examples/bert/prepare.py {old} "
+            f"{args.text_dir or args.hf_dataset} --deepspeed_config {args.deepspeed_config} --out SHARDS, then "
+            f"pretrain.py --shards SHARDS"
+        )
+    if args.shards is not None and args.nvidia_hdf5 is not None:
+        parser.error("give --shards or --nvidia-hdf5, not both")
+    if args.loader_workers < 0 or args.prefetch < 1:
+        parser.error("--loader-workers must be >= 0 and --prefetch >= 1")
     if args.init_checkpoint is not None and (args.init_checkpoint / "checkpoints").is_dir():
         run_dir = args.init_checkpoint
         args.init_checkpoint = run_dir / "checkpoints"
@@ -155,37 +176,125 @@ def rank_zero_first(build: Callable[[], T]) -> T:
     return result
 
 
-def load_documents(args: argparse.Namespace, cache: Path) -> tuple[list[data.Document], dict[str, Any]]:
-    """The corpus and a record of it: source, versions, digest (rank 0 builds and caches the embedded one first)."""
-    if args.text_dir is not None or args.hf_dataset is not None:
-        documents = data.load_corpus(args.text_dir, args.hf_dataset, args.text_column)
-        source = {"text_dir": str(args.text_dir)} if args.text_dir is not None else {"hf_dataset": str(args.hf_dataset)}
-    else:
-        documents = rank_zero_first(lambda: data.embedded_corpus(args.corpus, cache_dir=cache))
-        source = {"embedded": args.corpus, "versions": data.corpus_sources(args.corpus)}
-    return documents, {
-        **source,
-        "digest": data.corpus_digest(documents),
-        "documents": len(documents),
-        "sentences": sum(map(len, documents)),
-    }
+# --------------------------------------------------------------------------- data
 
 
-def load_tokenizer(
-    args: argparse.Namespace, train_docs: list[data.Document], vocab_size: int, cache: Path
-) -> PreTrainedTokenizerFast:
-    """The given tokenizer, or one trained on the training documents (rank 0 trains and caches; others load)."""
-    if args.tokenizer is not None:
-        return PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
-    return rank_zero_first(lambda: data.train_tokenizer(train_docs, vocab_size, cache_dir=cache))
+def embedded_shards(args: argparse.Namespace, bert: dict[str, Any], cache: Path, given: Any) -> Path:
+    """The embedded corpus prepared into shards under ``cache/shards/`` (rank 0 prepares, once; keyed by the corpus
+    name and its sources' versions, the preparing code, the settings and the tokenizer, without building the
+    corpus). With a tokenizer given (phase 2 takes phase 1's), the shards prepared with the trained one serve when
+    it is that one."""
+    settings = prepare.Settings(bert["max_seq_length"], held_out_fraction=args.held_out_fraction, seed=args.data_seed)
+
+    def directory(tokenizer: str) -> Path:
+        identity = [args.corpus, data.corpus_sources(args.corpus), PREPARATION_CODE, asdict(settings)]
+        key = json.dumps([*identity, bert["vocab_size"], tokenizer])
+        return cache / "shards" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    out, train_one = directory("trained"), True
+    if given is not None:
+        trained = out / shards.MANIFEST
+        if not (trained.is_file() and shards.read_json(trained, "manifest")["tokenizer"]["digest"] == digest(given)):
+            out, train_one = directory(digest(given)), False
+
+    def build() -> Path:
+        if not (out / shards.MANIFEST).is_file():
+            source = prepare.embedded_source(args.corpus, cache / "corpus-cache", prepare.PIECE_BYTES)
+            prepare.prepare(source, out, settings, bert["vocab_size"], None if train_one else given, progress=False)
+        return out
+
+    return rank_zero_first(build)
 
 
-def load_examples(
-    docs: list[data.Document], tokenizer: PreTrainedTokenizerFast, seq: int, seed: int, cache: Path
-) -> list[data.PretrainingExample]:
-    """The documents' NSP pairs (rank 0 encodes and caches their sentences first; the others load them)."""
-    encoded = rank_zero_first(lambda: data.encode_sentences(docs, tokenizer, cache_dir=cache))
-    return data.pair_examples(docs, encoded, tokenizer, seq, seed=seed)
+def digest(tokenizer: Any) -> str:
+    return shards.tokenizer_digest(tokenizer)
+
+
+class ShardSource:
+    """Prepared shards, checked (settings, sizes, and each rank's share of the contents) when opened."""
+
+    def __init__(self, args: argparse.Namespace, bert: dict[str, Any], root: Path, given: Any) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.args, self.root = args, root
+        self.shards = shards.ShardSet.open(root, bert["max_seq_length"], bert["vocab_size"], given)
+        problems: list[list[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(problems, self.shards.verify(rank, world))
+        if any(problems):
+            raise shards.ShardError("; ".join(p for found in problems for p in found))
+        self.tokenizer: Optional[PreTrainedTokenizerFast] = given or self.shards.tokenizer()
+        self.vocab_size = len(self.tokenizer)
+        manifest = self.shards.manifest
+        self.record = {
+            **{key: value for key, value in manifest["source"].items() if key != "files"},
+            "shards": str(root),
+            "text_digest": manifest["text_digest"],
+            "manifest_digest": manifest["digest"],
+            **manifest["totals"],
+            "max_seq_length": manifest["max_seq_length"],
+            "vocab_size": self.vocab_size,
+        }
+
+    def batches(self, micro: int, accum: int) -> tuple[Dataset, Any, list[dict[str, torch.Tensor]]]:
+        """(the training micro-batches by key, the keys of each step's, the held-out micro-batches)."""
+        args, tokenizer = self.args, self.tokenizer
+        vocab, cls_id, sep_id = data.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
+        train = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.seed, "train")
+        held = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.data_seed + 1, "held_out")
+        keys = loading.held_out_keys(self.shards.size("held_out"), args.eval_batches * micro, micro, args.data_seed)
+        order = loading.PairOrder(len(self.shards), micro, accum, dist.get_world_size(), dist.get_rank(), args.seed)
+        return train, order, [loading.tensors(held[key]) for key in keys]
+
+
+class NvidiaSource:
+    """NVIDIA's HDF5 shards (``nvidia.py``), every file's layout checked when opened."""
+
+    def __init__(self, args: argparse.Namespace, bert: dict[str, Any]) -> None:
+        import nvidia  # only this source needs h5py
+
+        self.nvidia, self.args = nvidia, args
+        self.training, self.test = nvidia.discover(args.nvidia_hdf5, bert["max_seq_length"])
+        self.tokenizer: Optional[PreTrainedTokenizerFast] = None  # the ids are NVIDIA's vocabulary's
+        self.vocab_size = bert["vocab_size"]
+        self.record = {
+            "nvidia_hdf5": str(args.nvidia_hdf5),
+            "training_files": len(self.training),
+            "test_files": len(self.test),
+            "train_pairs": sum(f.rows for f in self.training),
+            "held_out_pairs": sum(f.rows for f in self.test),
+            "max_seq_length": bert["max_seq_length"],
+            "vocab_size": self.vocab_size,
+        }
+        if dist.get_rank() == 0 and not self.test:
+            print(f"{args.nvidia_hdf5} holds no test files (with 'test' in their names): no held-out evaluation")
+
+    def batches(self, micro: int, accum: int) -> tuple[Dataset, Any, list[dict[str, torch.Tensor]]]:
+        nvidia, seed = self.nvidia, self.args.seed
+        order = nvidia.NvidiaOrder(self.training, micro, accum, dist.get_world_size(), dist.get_rank(), seed)
+        held = nvidia.NvidiaBatches(self.test, self.vocab_size)
+        keys = nvidia.held_out_keys(self.test, self.args.eval_batches * micro, micro)
+        held_out = [loading.tensors(held[key]) for key in keys]
+        return nvidia.NvidiaBatches(self.training, self.vocab_size), order, held_out
+
+
+def open_data(args: argparse.Namespace, bert: dict[str, Any], cache: Path) -> ShardSource | NvidiaSource:
+    """The run's data from ``--nvidia-hdf5``, ``--shards`` or the embedded corpus (prepared into shards)."""
+    if args.nvidia_hdf5 is not None:
+        return NvidiaSource(args, bert)
+    given = PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer)) if args.tokenizer is not None else None
+    root = args.shards if args.shards is not None else embedded_shards(args, bert, cache, given)
+    return ShardSource(args, bert, root, given)
+
+
+@contextlib.contextmanager
+def refused_input() -> Iterator[None]:
+    """Bad data or config found before step 1: one line naming it (rank 0), a clean exit on every rank."""
+    try:
+        yield
+    except (recipe.ConfigError, shards.ShardError, ValueError, ImportError) as error:
+        if dist.get_rank() == 0:
+            print(f"pretrain.py: error: {error}", file=sys.stderr, flush=True)
+        ds_kfac.shutdown()
+        sys.exit(2)
 
 
 @torch.no_grad()
@@ -205,43 +314,76 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float
     return loss_sum / max(1, count), correct / max(1, count)
 
 
+# --------------------------------------------------------------------------- what each rank reports
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (Linux ``/proc``; 0 elsewhere or if it is gone)."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def children() -> list[int]:
+    """This process's child processes (its loader workers)."""
+    found = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            found += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+class RankReport:
+    """What one rank reports of its run (``ranks/rank-<r>.json``): when its first step ended, how long its steps
+    took and waited on data, and its resident memory (with its loader workers') after some steps."""
+
+    def __init__(self, rank: int) -> None:
+        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "steps": 0, "step_seconds": 0.0}
+        self.record.update(data_wait_seconds=0.0, first_step_unix=None, resident_bytes={})
+
+    def step(self, step: int, seconds: float, waited: float, last: bool) -> None:
+        self.record["steps"] += 1
+        self.record["step_seconds"] += seconds
+        self.record["data_wait_seconds"] += waited
+        if self.record["first_step_unix"] is None:
+            self.record["first_step_unix"] = time.time()
+        if self.record["steps"] in MEMORY_STEPS or last:
+            workers = sum(resident_bytes(pid) for pid in children())
+            self.record["resident_bytes"][str(step)] = {"rank": resident_bytes(), "loader_workers": workers}
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.record, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------- training
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    config = json.loads(Path(args.deepspeed_config).read_text())
-    bert = {**BERT_DEFAULTS, **config.pop("bert", {})}
-    if args.max_steps is not None:
-        bert["max_steps"] = args.max_steps
-    if args.eval_every is not None:
-        bert["eval_every"] = args.eval_every
-    if args.vocab_size is not None:
-        bert["vocab_size"] = args.vocab_size
+    with refused_input():
+        config, bert = recipe.read_config(args.deepspeed_config)
+        for key in ("max_steps", "eval_every", "vocab_size"):
+            if getattr(args, key) is not None:
+                bert[key] = getattr(args, key)
+        found = open_data(args, bert, args.cache_dir or args.output_dir)
     run_name = args.run_name or Path(args.deepspeed_config).stem
     run_dir = args.output_dir / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    cache = args.cache_dir or args.output_dir
-    documents, corpus = load_documents(args, cache / "corpus-cache")
-    train_docs, held_docs = data.split_documents(documents, args.held_out_fraction, seed=args.data_seed)
-    tokenizer = load_tokenizer(args, train_docs, bert["vocab_size"], cache / "tokenizer-cache")
-    seq, encoding_cache = bert["max_seq_length"], cache / "encoding-cache"
-    train_set = data.PretrainingDataset(
-        load_examples(train_docs, tokenizer, seq, args.seed, encoding_cache), tokenizer, seed=args.seed
-    )
-    held_set = data.PretrainingDataset(
-        load_examples(held_docs, tokenizer, seq, args.data_seed + 1, encoding_cache),
-        tokenizer,
-        seed=args.data_seed + 1,
-    )
-
+    seq = bert["max_seq_length"]
     model_config = json.loads(
         (ROOT / bert["model"] if not Path(bert["model"]).is_absolute() else Path(bert["model"])).read_text()
     )
     model_config.update(
-        vocab_size=len(tokenizer), max_position_embeddings=max(model_config.get("max_position_embeddings", 512), seq)
+        vocab_size=found.vocab_size, max_position_embeddings=max(model_config.get("max_position_embeddings", 512), seq)
     )
     torch.manual_seed(args.seed)
     model = BertForPreTraining(BertConfig(**model_config))
@@ -259,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     global_batch = micro * accum * world
+    with refused_input():
+        train_batches, order, held_out = found.batches(micro, accum)
 
     start_step = 0
     if args.resume:
@@ -271,52 +415,37 @@ def main(argv: list[str] | None = None) -> None:
         if path is None:
             raise FileNotFoundError(f"--init-checkpoint: no checkpoint in {args.init_checkpoint}")
 
-    pad = tokenizer.pad_token_id
-    held_batches = [
-        data.collate([held_set[i] for i in range(j, min(j + micro, len(held_set)))], pad)
-        for j in range(0, min(len(held_set), args.eval_batches * micro), micro)
-    ]
     writer = report.MetricsWriter(run_dir / "metrics.csv", start_step) if rank == 0 else None
     kfac = getattr(engine, "kfac", None)
     if rank == 0:
-        corpus.update(
-            train_documents=len(train_docs),
-            held_out_documents=len(held_docs),
-            train_pairs=len(train_set),
-            held_out_pairs=len(held_set),
-            max_seq_length=seq,
-            vocab_size=len(tokenizer),
-        )
-        (run_dir / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
-        tokenizer.save_pretrained(str(run_dir / "tokenizer"))  # what a phase 2 from this run's weights must use
-        versions = ", ".join(f"{name} {version}" for name, version in corpus.get("versions", {}).items())
-        origin = corpus.get("text_dir") or corpus.get("hf_dataset") or f"embedded {corpus['embedded']!r} ({versions})"
-        print(f"corpus {corpus['digest']}: {len(documents)} documents from {origin}", flush=True)
+        (run_dir / "corpus.json").write_text(json.dumps(found.record, indent=1) + "\n")
+        if found.tokenizer is not None:  # what a phase 2 from this run's weights must use
+            found.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        origin = found.record.get("shards") or found.record.get("nvidia_hdf5")
         print(
-            f"BERT {model_config['num_hidden_layers']}x{model_config['hidden_size']} vocab {len(tokenizer)}, seq {seq}: "
-            f"{len(train_set)} training / {len(held_set)} held-out pairs; {world} ranks x {micro} x {accum} accumulation "
-            f"= batch {global_batch}; steps {start_step}..{max_steps}; K-FAC: {len(kfac.blocks) if kfac else 0} layers",
+            f"data {origin}: {found.record['train_pairs']} training / {found.record['held_out_pairs']} held-out pairs; "
+            f"BERT {model_config['num_hidden_layers']}x{model_config['hidden_size']} vocab {found.vocab_size}, "
+            f"seq {seq}; {world} ranks x {micro} x {accum} accumulation = batch {global_batch}; steps "
+            f"{start_step}..{max_steps}; K-FAC: {len(kfac.blocks) if kfac else 0} layers",
             flush=True,
         )
 
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_set)} training pairs cannot fill one global batch of {global_batch}")
     previous_seconds = (
         float(report.read_metrics(run_dir / "metrics.csv")[-1]["seconds"]) if start_step and rank == 0 else 0.0
     )
+    keys = loading.StepKeys(order, start_step, max_steps)
+    batches = loading.loader(train_batches, keys, args.loader_workers, args.prefetch)
+    ranks = RankReport(rank)
     train_seconds = 0.0  # optimizer steps only: evaluation and checkpoints are not timed
     bar = tqdm(range(start_step, max_steps), disable=rank != 0, initial=start_step, total=max_steps, dynamic_ncols=True)
     for step in bar:
-        epoch, position = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed * 7919 + epoch))
-        train_set.set_epoch(epoch)
-        rows = order[position * global_batch : (position + 1) * global_batch].view(accum, world, micro)[:, rank]
         torch.manual_seed(args.seed * 1_000_003 + step * world + rank)  # dropout: a function of the step
         started = time.perf_counter()
-        total = 0.0
-        for m in range(accum):
-            batch = data.collate([train_set[int(i)] for i in rows[m]], pad)
+        total, waited = 0.0, 0.0
+        for _ in range(accum):
+            asked = time.perf_counter()
+            batch = next(batches)
+            waited += time.perf_counter() - asked
             batch = {k: v.to(engine.device) for k, v in batch.items()}
             out = engine(**batch)
             if kfac is not None:  # with "fisher": "sampled", G from masked-LM targets drawn from the model
@@ -326,19 +455,22 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
             total += loss.item() / accum
         lr = engine.get_lr()[0]
-        train_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        train_seconds += elapsed
         seconds = previous_seconds + train_seconds
+        last = step + 1 == max_steps
+        interrupted = args.stop_after is not None and step + 1 - start_step == args.stop_after and not last
+        ranks.step(step + 1, elapsed, waited, last or interrupted)
         row: dict[str, object] = {
             "step": step + 1,
             "samples": (step + 1) * global_batch,
             "seconds": f"{seconds:.3f}",
+            "data_seconds": f"{waited:.4f}",
             "loss": f"{total:.6f}",
             "lr": f"{lr:.6g}",
         }
-        last = step + 1 == max_steps
-        interrupted = args.stop_after is not None and step + 1 - start_step == args.stop_after and not last
-        if (bert["eval_every"] and (step + 1) % bert["eval_every"] == 0) or last:
-            mlm_loss, mlm_acc = evaluate(engine, held_batches)
+        if held_out and ((bert["eval_every"] and (step + 1) % bert["eval_every"] == 0) or last):
+            mlm_loss, mlm_acc = evaluate(engine, held_out)
             row.update(held_out_mlm_loss=f"{mlm_loss:.6f}", held_out_mlm_accuracy=f"{mlm_acc:.6f}")
         if writer is not None:
             writer.write(row)
@@ -352,8 +484,12 @@ def main(argv: list[str] | None = None) -> None:
         if interrupted:
             break
     bar.close()
+    del batches  # the loader workers end here, before the process group does
+    ranks.write(run_dir / "ranks" / f"rank-{rank}.json")
 
     if rank == 0:
+        waited, stepped = ranks.record["data_wait_seconds"], ranks.record["step_seconds"]
+        print(f"data: the steps waited {waited:.2f} s of {stepped:.1f} s ({100 * waited / max(stepped, 1e-9):.2f}%)")
         (args.output_dir / "summary.txt").write_text(report.summary_table(args.output_dir) + "\n")
         print(report.summary_table(args.output_dir))
         print(f"plot: {report.plot(args.output_dir)}")

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-FIELDS = ["step", "samples", "seconds", "loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"]
+FIELDS = ["step", "samples", "seconds", "data_seconds", "loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"]
 
 
 class MetricsWriter:

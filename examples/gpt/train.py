@@ -45,6 +45,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bert"))
 import data  # noqa: E402  (the BERT example's corpus and tokenizer)
+import sources  # noqa: E402
 
 import ds_kfac  # noqa: E402
 
@@ -175,7 +176,7 @@ def main() -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     topology = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=dp)
 
-    documents = data.read_text_dir(args.text_dir) if args.text_dir else data.embedded_corpus()
+    documents = sources.read_text_dir(args.text_dir) if args.text_dir else data.embedded_corpus()
     train_docs, held_out_docs = data.split_documents(documents, held_out_fraction=0.05, seed=0)
     tokenizer = data.train_tokenizer(train_docs, vocab_size=args.vocab, cache_dir=args.output_dir / "cache")
     train, held_out = (token_windows(d, tokenizer, args.seq) for d in (train_docs, held_out_docs))

@@ -1,0 +1,186 @@
+"""NVIDIA's preprocessed BERT shards (HDF5), read as they are: ``pretrain.py --nvidia-hdf5 DIR``.
+
+NVIDIA's BERT recipe, DeepSpeedExamples' and KAISA's BERT code train on HDF5 files written by NVIDIA's
+``create_pretraining_data.py``, one file per shard, each holding ``N`` instances with their masks drawn once, at
+preparation (static masking)::
+
+    input_ids             [N, seq]       int32   the masked token ids, padded with 0
+    input_mask            [N, seq]       int8    1 on tokens, 0 on padding (the attention mask)
+    segment_ids           [N, seq]       int8    0 for [CLS] A [SEP], 1 for B [SEP] (token types)
+    masked_lm_positions   [N, max_pred]  int32   the masked positions, padded with 0
+    masked_lm_ids         [N, max_pred]  int32   the original ids there
+    next_sentence_labels  [N]            int8    1 where B is a random segment
+
+(phase 1: seq 128, max_pred 20; phase 2: 512 and 80; any sequence length the config's ``bert.max_seq_length``
+names is read, and a file of another length is refused by name). Files with "training" in their name are trained
+on, those with "test" held out, as NVIDIA's loader picks them. Each rank reads its own files as NVIDIA's
+``run_pretraining.py`` assigns them: the sorted training files shuffled per epoch by ``random.Random(seed + epoch)``,
+rank ``r`` reading ``files[(f * world + r) % n]`` in round ``f`` of ``n`` (shifted by ``world % n`` per round when
+there are more ranks than files). Within a file the rows come in a permutation keyed by (seed, epoch, round, rank),
+in micro-batches (a last partial one unused); like NVIDIA's loader, a worker holds the file it reads in memory, one
+file at a time, so memory follows the largest file, never the corpus. The labels are NVIDIA's: -100 (ignored)
+everywhere but ``masked_lm_positions[:k]``, ``k`` the first padded (0) position, which hold ``masked_lm_ids``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from loading import Key, permute
+from torch.utils.data import Dataset
+
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+PER_TOKEN = ("input_ids", "input_mask", "segment_ids")
+PER_PREDICTION = ("masked_lm_positions", "masked_lm_ids")
+
+
+def _h5py() -> Any:
+    try:
+        import h5py
+    except ImportError:
+        raise ImportError("--nvidia-hdf5 reads HDF5 with h5py: pip install h5py") from None
+    return h5py
+
+
+@dataclass(frozen=True)
+class File:
+    """One HDF5 shard and its instance count."""
+
+    path: str
+    rows: int
+
+
+def _check(path: Path, max_seq_length: int) -> File:
+    """``path`` as a :class:`File`, or a ``ValueError`` naming it and what in it is not NVIDIA's layout."""
+    h5py = _h5py()
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as error:
+        raise ValueError(f"{path}: not a readable HDF5 file ({error})") from None
+    with handle:
+        missing = [key for key in KEYS if key not in handle]
+        if missing:
+            raise ValueError(f"{path}: no dataset {', '.join(missing)} (NVIDIA's shards hold {', '.join(KEYS)})")
+        shapes = {key: handle[key].shape for key in KEYS}
+        for key in KEYS:
+            if handle[key].dtype.kind not in "iu":
+                raise ValueError(f"{path}: {key} holds {handle[key].dtype}, not integers")
+    rows = shapes["next_sentence_labels"][0] if len(shapes["next_sentence_labels"]) == 1 else None
+    seq, predictions = shapes["input_ids"][1:], shapes["masked_lm_positions"][1:]
+    if (
+        rows is None
+        or len(seq) != 1
+        or len(predictions) != 1
+        or any(shapes[key] != (rows, *seq) for key in PER_TOKEN)
+        or any(shapes[key] != (rows, *predictions) for key in PER_PREDICTION)
+    ):
+        raise ValueError(f"{path}: shapes {shapes} are not NVIDIA's [N, seq] / [N, max_pred] / [N]")
+    if seq[0] != max_seq_length:
+        raise ValueError(f"{path}: sequence length {seq[0]}, the config's bert.max_seq_length is {max_seq_length}")
+    return File(str(path), rows)
+
+
+def discover(root: str | Path, max_seq_length: int) -> tuple[list[File], list[File]]:
+    """The (training, test) files of a directory of NVIDIA shards, sorted by name, each checked (before step 1)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"{root}: no such directory of NVIDIA HDF5 shards")
+    names = sorted(p for p in root.iterdir() if p.is_file())
+    training = [_check(p, max_seq_length) for p in names if "training" in p.name]
+    test = [_check(p, max_seq_length) for p in names if "test" in p.name and "training" not in p.name]
+    if not training:
+        raise ValueError(f"{root} holds no NVIDIA training shards (files with 'training' in their names)")
+    return training, test
+
+
+class NvidiaOrder:
+    """Which rows each micro-batch of one rank holds (see the module docstring): a function of (seed, rank, world
+    size, micro-batch number), so ``--resume`` continues exactly."""
+
+    def __init__(self, files: list[File], micro: int, accum: int, world: int, rank: int, seed: int) -> None:
+        if all(f.rows < micro for f in files):
+            raise ValueError(f"no training file holds a micro-batch of {micro} rows (largest: {max(f.rows for f in files)})")
+        self.files, self.micro, self.accum, self.world, self.rank, self.seed = files, micro, accum, world, rank, seed
+        self._epochs: list[list[int]] = []
+
+    def rounds(self, epoch: int) -> list[int]:
+        """The files this rank reads in each round of ``epoch``, as NVIDIA's ``run_pretraining.py`` assigns them."""
+        n = len(self.files)
+        order = list(range(n))
+        random.Random(self.seed + epoch).shuffle(order)
+        shift = self.world % n if self.world > n else 0
+        return [order[(f * self.world + self.rank + shift * f) % n] for f in range(n)]
+
+    def _batches(self, epoch: int) -> int:
+        return sum(self.files[i].rows // self.micro for i in self.rounds(epoch))
+
+    def micro_batch(self, number: int) -> Key:
+        """The rank's ``number``-th micro-batch (0-based): (file index, its rows)."""
+        epoch = 0
+        while number >= (count := self._batches(epoch)):
+            number, epoch = number - count, epoch + 1
+        for round_, index in enumerate(self.rounds(epoch)):
+            batches = self.files[index].rows // self.micro
+            if number < batches:
+                key = f"{self.seed}:{epoch}:{round_}:{self.rank}"
+                positions = np.arange(number * self.micro, (number + 1) * self.micro)
+                return index, tuple(permute(positions, self.files[index].rows, key).tolist())
+            number -= batches
+        raise AssertionError("unreachable: the epoch's batches were counted")
+
+    def step(self, step: int) -> list[Key]:
+        return [self.micro_batch(step * self.accum + m) for m in range(self.accum)]
+
+
+def held_out_keys(files: list[File], count: int, micro: int) -> list[Key]:
+    """The first ``count`` rows of the test files, in order, as micro-batches (never across files)."""
+    keys: list[Key] = []
+    for index, file in enumerate(files):
+        for start in range(0, file.rows, micro):
+            if count <= 0:
+                return keys
+            rows = tuple(range(start, min(start + micro, file.rows, start + count)))
+            keys.append((index, rows))
+            count -= len(rows)
+    return keys
+
+
+class NvidiaBatches(Dataset):
+    """Collated micro-batches of NVIDIA shards, with NVIDIA's labels; the file being read is held in memory."""
+
+    def __init__(self, files: list[File], vocab_size: int) -> None:
+        self.files, self.vocab_size = files, vocab_size
+        self._held: tuple[int, dict[str, np.ndarray]] | None = None
+
+    def _arrays(self, index: int) -> dict[str, np.ndarray]:
+        if self._held is None or self._held[0] != index:
+            self._held = None  # the previous file is let go before the next is read
+            with _h5py().File(self.files[index].path, "r") as handle:
+                self._held = index, {key: np.asarray(handle[key][:]) for key in KEYS}
+        return self._held[1]
+
+    def __getitem__(self, key: Key) -> dict[str, np.ndarray]:
+        index, rows = key
+        arrays = self._arrays(index)
+        picked = {name: arrays[name][list(rows)].astype(np.int64) for name in KEYS}
+        highest = int(picked["input_ids"].max())
+        if highest >= self.vocab_size:
+            raise ValueError(
+                f"{self.files[index].path}: token id {highest}, the config's bert.vocab_size is {self.vocab_size}"
+            )
+        positions, ids = picked["masked_lm_positions"], picked["masked_lm_ids"]
+        valid = np.cumprod(positions != 0, axis=1).astype(bool)  # up to the first padded (0) position
+        labels = np.full_like(picked["input_ids"], -100)
+        row = np.broadcast_to(np.arange(len(rows))[:, None], positions.shape)
+        labels[row[valid], positions[valid]] = ids[valid]
+        return {
+            "input_ids": picked["input_ids"],
+            "token_type_ids": picked["segment_ids"],
+            "attention_mask": picked["input_mask"],
+            "labels": labels,
+            "next_sentence_label": picked["next_sentence_labels"],
+        }

@@ -1,0 +1,245 @@
+"""Prepared shards: the directory ``prepare.py`` writes and ``pretrain.py --shards`` memory-maps.
+
+Layout (numpy's ``.npy`` format throughout, so every file is read with ``np.load(mmap_mode="r")``, zero-copy, the
+pages shared by every rank of a node through the page cache)::
+
+    SHARDS/manifest.json            written last: settings, tokenizer, versions, counts, each shard's digest
+    SHARDS/tokenizer/               the tokenizer the ids come from (``save_pretrained``)
+    SHARDS/shard-00000/tokens.npy   every sentence's token ids, document after document (uint16 up to 65,536 ids)
+                     /pairs.npy     training NSP instances: two ranges of tokens.npy and the label (PAIR_DTYPE)
+                     /held_out_pairs.npy   the same, from this shard's held-out documents
+                     /shard.json    what the shard was made from and with, its counts and the digest of its files
+
+A shard is written into a temporary directory and renamed into place when complete, and the manifest is written
+last, so a preparation killed half way leaves no shard that reads as complete and no manifest. :meth:`ShardSet.open`
+checks everything that is cheap to check before training starts (manifest, settings, sizes of every file), and
+:meth:`ShardSet.verify` the contents against their digests, each rank a share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import data
+import numpy as np
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer"
+SHARD_RECORD = "shard.json"
+ARRAYS = ("tokens.npy", "pairs.npy", "held_out_pairs.npy")
+SPLITS = {"train": "pairs.npy", "held_out": "held_out_pairs.npy"}
+PAIR_DTYPE = np.dtype(
+    [("a_start", "<u4"), ("a_length", "<u2"), ("b_start", "<u4"), ("b_length", "<u2"), ("next_sentence_label", "u1")]
+)
+"""A :class:`data.Pair` on disk: 13 bytes (ranges within one shard, whose tokens stay under 2**32)."""
+_CHUNK = 8 << 20
+
+
+class ShardError(ValueError):
+    """Prepared shards that cannot be trained on; the message names the file and the cause."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """SHA-256 of a fast tokenizer's whole pipeline (normalizer, pre-tokenizer, vocabulary, special tokens), which
+    fixes every id it produces; it survives ``save_pretrained`` / ``from_pretrained``."""
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()
+
+
+def files_digest(directory: Path) -> str:
+    """SHA-256 of a shard's arrays (each file's name and bytes, in :data:`ARRAYS` order), read in chunks."""
+    digest = hashlib.sha256()
+    for name in ARRAYS:
+        digest.update(name.encode() + b"\0")
+        with (directory / name).open("rb") as file:
+            while chunk := file.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of a manifest's canonical JSON without its own ``digest`` key."""
+    body = {key: value for key, value in manifest.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, content: dict[str, Any]) -> None:
+    """``content`` to ``path`` atomically: a temporary file beside it, synced, then renamed over it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(content, indent=1) + "\n")
+    _fsync(partial)
+    os.replace(partial, path)
+    _fsync(path.parent)
+
+
+def write_shard(out: Path, name: str, arrays: dict[str, np.ndarray], record: dict[str, Any]) -> dict[str, Any]:
+    """Write one shard atomically (a synced temporary directory renamed to ``out/name``); ``record`` completed
+    with the files' sizes and digest, as written to its ``shard.json``."""
+    partial = out / f".{name}.{os.getpid()}.tmp"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    for file in ARRAYS:
+        np.save(partial / file, arrays[file])
+        _fsync(partial / file)
+    record = {**record, "files": {f: (partial / f).stat().st_size for f in ARRAYS}, "digest": files_digest(partial)}
+    write_json(partial / SHARD_RECORD, record)
+    os.rename(partial, out / name)  # atomic; refuses to replace a complete shard
+    _fsync(out)
+    return record
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``, or a :class:`ShardError` naming the file."""
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ShardError(f"{path}: cannot read the {what} ({error})") from None
+    if not isinstance(content, dict):
+        raise ShardError(f"{path}: the {what} must be a JSON object, got {type(content).__name__}")
+    return content
+
+
+class ShardSet:
+    """Prepared shards opened for training: counts in memory, arrays memory-mapped on first use (so a data-loader
+    worker maps its own), a global index per split over the shards in order."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.names = [shard["name"] for shard in manifest["shards"]]
+        self.starts = {
+            split: np.concatenate([[0], np.cumsum([shard[f"{split}_pairs"] for shard in manifest["shards"]])])
+            for split in SPLITS
+        }
+        self._maps: dict[tuple[int, str], np.ndarray] = {}
+
+    @classmethod
+    def open(
+        cls,
+        root: str | os.PathLike,
+        max_seq_length: Optional[int] = None,
+        vocab_size: Optional[int] = None,
+        tokenizer: Any = None,
+    ) -> "ShardSet":
+        """The shards under ``root``, refused with a :class:`ShardError` naming the file and the cause if they are
+        not complete, not what they claim, or not prepared for this sequence length, vocabulary size or tokenizer."""
+        root = Path(root)
+        if not root.is_dir():
+            raise ShardError(f"{root}: no such directory of prepared shards")
+        if not (root / MANIFEST).is_file():
+            partial = sorted(p.name for p in root.iterdir() if p.name.startswith("shard-"))
+            cause = (
+                f"a preparation that did not finish ({len(partial)} shards, no manifest): run prepare.py again with the "
+                f"same arguments, it redoes only the missing shards"
+                if partial
+                else "no shards (no manifest.json): prepare them with examples/bert/prepare.py"
+            )
+            raise ShardError(f"{root} holds {cause}")
+        path = root / MANIFEST
+        manifest = read_json(path, "manifest")
+        if manifest.get("format") != FORMAT:
+            raise ShardError(f"{path}: format {manifest.get('format')!r}, this reader knows format {FORMAT}")
+        if manifest.get("digest") != manifest_digest(manifest):
+            raise ShardError(
+                f"{path}: its digest does not match its contents (edited or damaged after preparation): prepare the "
+                f"shards again"
+            )
+        prepared = manifest["max_seq_length"]
+        if max_seq_length is not None and prepared != max_seq_length:
+            raise ShardError(
+                f"{path}: prepared at sequence length {prepared}, the config's bert.max_seq_length is {max_seq_length}"
+            )
+        vocabulary = manifest["tokenizer"]["vocab_size"]
+        if vocab_size is not None and vocabulary != vocab_size:
+            raise ShardError(
+                f"{path}: tokenized with a {vocabulary}-token vocabulary, the config's bert.vocab_size is {vocab_size}"
+            )
+        if tokenizer is not None and tokenizer_digest(tokenizer) != manifest["tokenizer"]["digest"]:
+            raise ShardError(
+                f"{path}: tokenized with {root / TOKENIZER} (digest {manifest['tokenizer']['digest'][:12]}), not the "
+                f"tokenizer given (digest {tokenizer_digest(tokenizer)[:12]}, {len(tokenizer)} tokens)"
+            )
+        if not manifest["shards"]:
+            raise ShardError(f"{path}: lists no shards")
+        for shard in manifest["shards"]:
+            directory = root / shard["name"]
+            if not directory.is_dir():
+                raise ShardError(f"{directory}: missing (the manifest lists it)")
+            for file, size in shard["files"].items():
+                found = (directory / file).stat().st_size if (directory / file).is_file() else None
+                if found != size:
+                    cause = {None: "missing", 0: "empty"}.get(found) or (
+                        f"truncated ({found} of {size} bytes)" if found < size else f"{found} bytes, not {size}"
+                    )
+                    raise ShardError(f"{directory / file}: {cause}")
+        return cls(root, manifest)
+
+    def verify(self, rank: int = 0, world: int = 1) -> list[str]:
+        """Problems found checking the contents of every ``world``-th shard from ``rank`` against the manifest's
+        digests (each rank reads a share; gather the lists to refuse the run everywhere)."""
+        problems = []
+        for shard in self.manifest["shards"][rank::world]:
+            if files_digest(self.root / shard["name"]) != shard["digest"]:
+                problems.append(
+                    f"{self.root / shard['name']}: its arrays do not match the manifest's digest (changed after "
+                    f"preparation): prepare the shards again"
+                )
+        return problems
+
+    def tokenizer(self) -> Any:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(self.root / TOKENIZER))
+
+    def __len__(self) -> int:
+        return int(self.starts["train"][-1])
+
+    def size(self, split: str) -> int:
+        return int(self.starts[split][-1])
+
+    def _map(self, shard: int, file: str) -> np.ndarray:
+        key = (shard, file)
+        if key not in self._maps:
+            self._maps[key] = np.load(self.root / self.names[shard] / file, mmap_mode="r")
+        return self._maps[key]
+
+    def example(self, split: str, index: int, cls_id: int, sep_id: int) -> data.PretrainingExample:
+        """The ``index``-th instance of ``split`` ("train" or "held_out") over all shards, unmasked."""
+        starts = self.starts[split]
+        shard = int(np.searchsorted(starts, index, side="right")) - 1
+        pair = data.Pair(*(int(v) for v in self._map(shard, SPLITS[split])[index - starts[shard]].tolist()))
+        return data.assemble(self._map(shard, "tokens.npy"), pair, cls_id, sep_id)
+
+    def token_counts(self, split: str) -> np.ndarray:
+        """How often each token id occurs in the instances of ``split`` (A and B, without the special tokens): a
+        token in two instances counts twice."""
+        counts = np.zeros(self.manifest["tokenizer"]["vocab_size"], dtype=np.int64)
+        for shard in range(len(self.names)):
+            tokens, pairs = self._map(shard, "tokens.npy"), self._map(shard, SPLITS[split])
+            cover = np.zeros(len(tokens) + 1, dtype=np.int64)  # instances covering each token, as differences
+            for side in ("a", "b"):
+                start = pairs[f"{side}_start"].astype(np.int64)
+                np.add.at(cover, start, 1)
+                np.add.at(cover, start + pairs[f"{side}_length"], -1)
+            counts += np.bincount(tokens, weights=np.cumsum(cover[:-1]), minlength=len(counts)).astype(np.int64)
+        return counts
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": {}}  # a worker started by spawn maps the files itself
