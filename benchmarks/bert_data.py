@@ -133,10 +133,14 @@ class TreeMemory(threading.Thread):
             self.done.wait(self.interval)
 
 
-def watched(cmd: list[str], log: Path, cap_bytes: Optional[int] = None, minutes: Optional[float] = None) -> dict:
-    """Run ``cmd`` (its output to ``log``) watching its process tree's memory; stopped (the whole tree killed) past
-    ``cap_bytes`` or ``minutes``. Its exit code, wall seconds, peaks and why it was stopped."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv" / "torch_extensions")}
+def watched(
+    cmd: list[str], log: Path, cap_bytes: Optional[int] = None, minutes: Optional[float] = None, tree: Path = ROOT
+) -> dict:
+    """Run ``cmd`` (its output to ``log``; ``ds_kfac`` imported from ``tree``) watching its process tree's memory;
+    stopped (the whole tree killed) past ``cap_bytes`` or ``minutes``. Its exit code, wall seconds, peaks and why
+    it was stopped."""
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": extensions, "PYTHONPATH": str(tree)}
     started = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -206,7 +210,7 @@ def train(tree: Path, data_args: list[str], out: Path, name: str, cap: Optional[
     cmd += [str(tree / "examples/bert/pretrain.py"), "--deepspeed_config", str(ROOT / CONFIG), *data_args]
     cmd += ["--output-dir", str(out), "--run-name", name, "--max-steps", "20", "--eval-every", "0"]
     try:
-        result = watched(cmd, out / f"{name}.log", cap, minutes)
+        result = watched(cmd, out / f"{name}.log", cap, minutes, tree)
     finally:
         _release(port)
     run = out / name

@@ -193,9 +193,9 @@ def embedded_shards(args: argparse.Namespace, bert: dict[str, Any], cache: Path,
 
     out, train_one = directory("trained"), True
     if given is not None:
-        trained = out / shards.MANIFEST
-        if not (trained.is_file() and shards.read_json(trained, "manifest")["tokenizer"]["digest"] == digest(given)):
-            out, train_one = directory(digest(given)), False
+        trained, wanted = out / shards.MANIFEST, shards.tokenizer_digest(given)
+        if not (trained.is_file() and shards.read_json(trained, "manifest")["tokenizer"]["digest"] == wanted):
+            out, train_one = directory(wanted), False
 
     def build() -> Path:
         if not (out / shards.MANIFEST).is_file():
@@ -206,16 +206,12 @@ def embedded_shards(args: argparse.Namespace, bert: dict[str, Any], cache: Path,
     return rank_zero_first(build)
 
 
-def digest(tokenizer: Any) -> str:
-    return shards.tokenizer_digest(tokenizer)
-
-
 class ShardSource:
     """Prepared shards, checked (settings, sizes, and each rank's share of the contents) when opened."""
 
     def __init__(self, args: argparse.Namespace, bert: dict[str, Any], root: Path, given: Any) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.args, self.root = args, root
+        self.args = args
         self.shards = shards.ShardSet.open(root, bert["max_seq_length"], bert["vocab_size"], given)
         problems: list[list[str]] = [[] for _ in range(world)]
         dist.all_gather_object(problems, self.shards.verify(rank, world))
