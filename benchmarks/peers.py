@@ -263,7 +263,7 @@ def launch_all(
 def save(result: dict[str, Any], out: Path, title: str, target: Optional[float]) -> None:
     """``<out>.json`` and ``<out>.png`` (held-out metric against steps and training seconds, every run)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".json").write_text(json.dumps(ttt.portable(result), indent=1))
     ttt.plot(out.with_suffix(".png"), title, result["settings"]["metric"], result["runs"], target)
 
 
