@@ -461,7 +461,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         **summary(best),
     }
-    (args.out / f"batch_scaling_{args.task}.json").write_text(json.dumps(portable(result), indent=1))
+    result = portable(result)
+    (args.out / f"batch_scaling_{args.task}.json").write_text(json.dumps(result, indent=1))
     plot(args.out / f"batch_scaling_{args.task}.png", result)
     print(table(result))
     return result
@@ -531,7 +532,8 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
         "runs": runs,
         **summary(best_points(runs, arms)),
     }
-    out.write_text(json.dumps(portable(result), indent=1))
+    result = portable(result)
+    out.write_text(json.dumps(result, indent=1))
     plot(out.with_suffix(".png"), result)
     return result
 

@@ -93,7 +93,8 @@ def main() -> None:
         "runs": summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(portable(out), indent=1))
+    out = portable(out)
+    args.out.write_text(json.dumps(out, indent=1))
     print("| run | held-out accuracy | ms per step (median; min, max) | vs SGD | bytes all-reduced per rank and step |")
     print("| --- | --- | --- | --- | --- |")
     for name, e in summary.items():

@@ -106,7 +106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "workloads": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(portable(out), indent=1))
+    out = portable(out)
+    args.out.write_text(json.dumps(out, indent=1))
     for r in results:
         print(
             f"{r['workload']}: bare {r['median_ms']['bare']:.2f} ms, K-FAC {r['median_ms']['kfac']:.2f} ms a plain "

@@ -159,7 +159,8 @@ def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     rows.sort(key=lambda row: row["parameters"]["encoder"])
     result = {"command": shlex.join(["python", "benchmarks/ladder.py", *sys.argv[1:]]), "sizes": rows}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ladder.json").write_text(json.dumps(ttt.portable(result), indent=1))
+    result = ttt.portable(result)
+    (out / "ladder.json").write_text(json.dumps(result, indent=1))
     _plot(rows, out / "ladder.png")
     for row in rows:
         apart = "" if row["side_by_side"] else " (the arms' best rates ran apart: seconds not side by side)"

@@ -1022,7 +1022,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "configurations": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(portable(out), indent=1))
+    out = portable(out)
+    args.out.write_text(json.dumps(out, indent=1))
     png = plot(args.out.with_suffix(".png"), results)
     print(f"\n{table([out])}\n\nresults: {args.out}\nplot: {png}")
     return out

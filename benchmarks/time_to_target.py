@@ -54,7 +54,10 @@ def portable(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: portable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(portable(item) for item in value)
+        items = [portable(item) for item in value]
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, Path):
         value = str(value)
     if not isinstance(value, str):
@@ -386,7 +389,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "summary": summary,
     }
-    (args.out / f"{args.task}.json").write_text(json.dumps(portable(result), indent=1))
+    result = portable(result)
+    (args.out / f"{args.task}.json").write_text(json.dumps(result, indent=1))
     plot(
         args.out / f"{args.task}.png",
         f"time to target: {args.task}, {len(args.seeds)} seeds, 2 ranks",
