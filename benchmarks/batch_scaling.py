@@ -51,7 +51,7 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, str(Path(__file__).parent))
 import ladder as sizes  # noqa: E402
 import peers  # noqa: E402
-from time_to_target import ROOT, TASKS, Task, apply_overrides, crossing, launch, read_curve, versions  # noqa: E402
+from time_to_target import ROOT, TASKS, Task, apply_overrides, crossing, launch, portable, read_curve, versions  # noqa: E402
 
 WORLD = 2
 KFAC = "kfac"
@@ -461,6 +461,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         **summary(best),
     }
+    result = portable(result)
     (args.out / f"batch_scaling_{args.task}.json").write_text(json.dumps(result, indent=1))
     plot(args.out / f"batch_scaling_{args.task}.png", result)
     print(table(result))
@@ -531,6 +532,7 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
         "runs": runs,
         **summary(best_points(runs, arms)),
     }
+    result = portable(result)
     out.write_text(json.dumps(result, indent=1))
     plot(out.with_suffix(".png"), result)
     return result

@@ -27,8 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "resnet"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import launch  # noqa: E402  (free ports, timeouts, process-group kill)
+from time_to_target import portable  # noqa: E402
 
 
 def _parameters(depth: int = 8) -> int:
@@ -91,6 +93,7 @@ def main() -> None:
         "runs": summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = portable(out)
     args.out.write_text(json.dumps(out, indent=1))
     print("| run | held-out accuracy | ms per step (median; min, max) | vs SGD | bytes all-reduced per rank and step |")
     print("| --- | --- | --- | --- | --- |")

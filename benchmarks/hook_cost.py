@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_cost  # noqa: E402
-from time_to_target import versions  # noqa: E402
+from time_to_target import portable, versions  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac import KFACPreconditioner  # noqa: E402
@@ -106,6 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "workloads": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = portable(out)
     args.out.write_text(json.dumps(out, indent=1))
     for r in results:
         print(

@@ -159,6 +159,7 @@ def report(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     rows.sort(key=lambda row: row["parameters"]["encoder"])
     result = {"command": shlex.join(["python", "benchmarks/ladder.py", *sys.argv[1:]]), "sizes": rows}
     out.mkdir(parents=True, exist_ok=True)
+    result = ttt.portable(result)
     (out / "ladder.json").write_text(json.dumps(result, indent=1))
     _plot(rows, out / "ladder.png")
     for row in rows:

@@ -261,7 +261,9 @@ def launch_all(
 
 
 def save(result: dict[str, Any], out: Path, title: str, target: Optional[float]) -> None:
-    """``<out>.json`` and ``<out>.png`` (held-out metric against steps and training seconds, every run)."""
+    """``<out>.json`` and ``<out>.png`` (held-out metric against steps and training seconds, every run). ``result``
+    is made :func:`time_to_target.portable` in place first, so the caller holds what was written."""
+    result.update(ttt.portable(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     ttt.plot(out.with_suffix(".png"), title, result["settings"]["metric"], result["runs"], target)

@@ -147,7 +147,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import launch  # noqa: E402  (tests/launch.py: timed, session-isolated subprocess launches)
-from time_to_target import apply_overrides, free_port, versions  # noqa: E402
+from time_to_target import apply_overrides, free_port, portable, versions  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac import KFACConfig, KFACPreconditioner, Lamb, build_optimizer  # noqa: E402
@@ -1022,6 +1022,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "configurations": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = portable(out)
     args.out.write_text(json.dumps(out, indent=1))
     png = plot(args.out.with_suffix(".png"), results)
     print(f"\n{table([out])}\n\nresults: {args.out}\nplot: {png}")

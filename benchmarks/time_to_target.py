@@ -30,16 +30,45 @@ import csv
 import json
 import os
 import platform
+import re
 import shlex
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def portable(value: Any) -> Any:
+    """``value`` (a result, or any string, list or dict in it) without this machine's absolute paths.
+
+    A committed result names no machine's directories: paths in the checkout become relative to its root
+    (``runs/...``), the interpreter's prefix becomes ``$VENV``, the temporary directory ``$TMPDIR`` and a device
+    machine's output folder (the environment's ``OUT``, when set) ``$OUT``.
+    """
+    if isinstance(value, dict):
+        return {key: portable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [portable(item) for item in value]
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str):
+        return value
+    value = re.sub(re.escape(str(ROOT)) + r"(/|(?=[\s'\"]|$))", lambda m: "" if m.group(1) else ".", value)
+    named = [(sys.prefix, "$VENV"), (tempfile.gettempdir(), "$TMPDIR"), (os.environ.get("OUT", ""), "$OUT")]
+    for prefix, name in named:
+        if prefix.startswith("/") and prefix.rstrip("/"):
+            value = re.sub(re.escape(prefix.rstrip("/")) + r"(?=[/\s'\"]|$)", lambda m: name, value)
+    return value
+
 
 Curve = list[tuple[float, float, float]]
 """Held-out evaluations of one run: ``(step, training seconds, metric)``, in step order."""
@@ -360,6 +389,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "summary": summary,
     }
+    result = portable(result)
     (args.out / f"{args.task}.json").write_text(json.dumps(result, indent=1))
     plot(
         args.out / f"{args.task}.png",

@@ -512,6 +512,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.check.replace('-', '_')}{f'_arch_{args.arch_list}' if args.arch_list else ''}.json"
+    record = ttt.portable(record)
     path.write_text(json.dumps(record, indent=1, default=str))
     print(f"{args.check}: {'passed' if record['passed'] else 'FAILED'} in {record['seconds']:.0f}s -> {path}")
     return 0 if record["passed"] else 1
