@@ -59,7 +59,10 @@ def generate(out: Path, megabytes: float, seed: int, cache: Path) -> dict[str, A
 
     record_file = out / "corpus.json"
     wanted = {"megabytes": megabytes, "seed": seed, "from": "packages"}
-    if record_file.is_file() and {k: v for k, v in json.loads(record_file.read_text()).items() if k in wanted} == wanted:
+    if (
+        record_file.is_file()
+        and {k: v for k, v in json.loads(record_file.read_text()).items() if k in wanted} == wanted
+    ):
         return json.loads(record_file.read_text())
     documents = data.embedded_corpus("packages", cache_dir=cache)
     rng = random.Random(seed)
@@ -205,6 +208,7 @@ def prepare_corpus(corpus: Path, shards: Path, log: Path, workers: int) -> dict[
 
 def train(tree: Path, data_args: list[str], out: Path, name: str, cap: Optional[int], minutes: Optional[float]) -> dict:
     """20 steps of the demo's K-FAC arm on 2 ranks from ``tree``'s ``pretrain.py``; launch-to-step, memory, waits."""
+    out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port)]
     cmd += [str(tree / "examples/bert/pretrain.py"), "--deepspeed_config", str(ROOT / CONFIG), *data_args]
@@ -233,6 +237,41 @@ def train(tree: Path, data_args: list[str], out: Path, name: str, cap: Optional[
     return result
 
 
+PROBE = """
+import json, random, sys
+import numpy as np
+sys.path.insert(0, "examples/bert")
+import shards
+root, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+opened = shards.ShardSet.open(root)
+maps = {}
+def mapped(split, index):  # the same pair read from np.load(mmap_mode="r") arrays
+    starts = opened.starts[split]
+    shard = int(np.searchsorted(starts, index, side="right")) - 1
+    for f in ("tokens.npy", shards.SPLITS[split]):
+        maps.setdefault((shard, f), np.load(opened.root / opened.names[shard] / f, mmap_mode="r"))
+    row = maps[shard, shards.SPLITS[split]][index - starts[shard]]
+    tokens = maps[shard, "tokens.npy"]
+    return tokens[row["a_start"] : row["a_start"] + row["a_length"]].sum() + tokens[row["b_start"]].sum()
+rng = random.Random(0)
+for _ in range(count):
+    index = rng.randrange(len(opened))
+    mapped("train", index) if mode == "mmap" else opened.example("train", index, 2, 3)
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "RssAnon", "RssFile")))
+print(json.dumps({key: int(value.split()[0]) * 1024 for key, value in status.items()}))
+"""
+
+
+def access_probe(root: Path, count: int = 8000) -> dict[str, dict[str, int]]:
+    """A process's resident memory after reading ``count`` random training pairs of the shards under ``root``,
+    memory-mapped (``np.load(mmap_mode="r")``) and as ``ShardSet`` reads them (``pread``)."""
+    found = {}
+    for mode in ("mmap", "pread"):
+        out = subprocess.run([sys.executable, "-c", PROBE, str(root), mode, str(count)], cwd=ROOT, capture_output=True)
+        found[mode] = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    return found
+
+
 def _ratio(new: list[float], base: list[float]) -> float:
     return statistics.median(new) / statistics.median(base)
 
@@ -252,11 +291,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mb, corpus in corpora.items():
         result["corpora"][mb] = generate(corpus, mb, args.seed, cache)
     for mb, corpus in corpora.items():
-        shards = out / f"shards-{mb}mb"
-        if args.fresh or not (shards / "manifest.json").is_file():
+        shards, measured = out / f"shards-{mb}mb", out / f"prepare-{mb}mb.json"
+        if args.fresh or not (shards / "manifest.json").is_file() or not measured.is_file():
             subprocess.run(["rm", "-rf", str(shards)], check=True)
-            result["prepare"][mb] = prepare_corpus(corpus, shards, out / f"prepare-{mb}mb.log", args.workers)
-            print(f"prepare {mb} MB: {json.dumps(result['prepare'][mb])}", flush=True)
+            prepared = prepare_corpus(corpus, shards, out / f"prepare-{mb}mb.log", args.workers)
+            measured.write_text(json.dumps(prepared, indent=1) + "\n")
+            print(f"prepare {mb} MB: {json.dumps(prepared)}", flush=True)
+        result["prepare"][mb] = json.loads(measured.read_text())  # a later run reuses the shards and their figures
     embedded = out / "shards-embedded"
     if not (embedded / "manifest.json").is_file():
         cmd = [sys.executable, "examples/bert/prepare.py", "--corpus", "packages", "--deepspeed_config", CONFIG]
@@ -265,11 +306,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arms = {"embedded": ["--shards", str(embedded)], f"{largest}mb": ["--shards", str(out / f"shards-{largest}mb")]}
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for repeat in range(args.repeats):
-        for arm, data_args in (arms.items() if repeat % 2 == 0 else reversed(arms.items())):
+        for arm, data_args in arms.items() if repeat % 2 == 0 else reversed(arms.items()):
             record = train(ROOT, data_args, out / "train", f"{arm}-{repeat}", None, 15)
             runs[arm].append(record)
             print(f"train {arm} #{repeat}: {json.dumps(record)}", flush=True)
     result["train"] = runs
+    result["access_probe"] = access_probe(out / f"shards-{largest}mb")
+    print(f"access probe: {result['access_probe']}", flush=True)
     if args.today_tree is not None:
         tree = args.today_tree.resolve()
         commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -307,7 +350,9 @@ def summary(result: dict[str, Any], largest: int) -> dict[str, Any]:
         figures["today_peak_rss_gib"] = today["peak_rss_bytes"] / 2**30
         figures["today_reached_step"] = "first_step_seconds" in today
         figures["new_over_today_peak_memory"] = (
-            statistics.median(per_run(big, lambda r: sum(x["rank"] + x["loader_workers"] for x in r["resident_bytes_after_20"])))
+            statistics.median(
+                per_run(big, lambda r: sum(x["rank"] + x["loader_workers"] for x in r["resident_bytes_after_20"]))
+            )
             / today["peak_rss_bytes"]
         )
         figures["new_first_step_over_today_seconds"] = statistics.median(per_run(big, first)) / (

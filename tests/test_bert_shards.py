@@ -90,7 +90,10 @@ def _write_corpus(root: Path, documents: int, seed: int = 0) -> list[list[str]]:
     for name, count in files.items():
         with (root / name).open("w") as f:
             for _ in range(count):
-                doc = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + "." for _ in range(rng.randint(1, 6))]
+                doc = [
+                    " ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + "."
+                    for _ in range(rng.randint(1, 6))
+                ]
                 written.append(doc)
                 f.write("\n".join(doc) + "\n\n")
     (root / "notes.md").write_text("Not a text file.\n")
@@ -207,7 +210,9 @@ def _inside(needle: list[int], haystack: list[int]) -> bool:
     return any(haystack[k : k + len(needle)] == needle for k in range(len(haystack) - len(needle) + 1))
 
 
-def test_an_interrupted_preparation_resumes_with_the_missing_shards(corpus_dir: Path, prepared: Path, tmp_path: Path, monkeypatch) -> None:
+def test_an_interrupted_preparation_resumes_with_the_missing_shards(
+    corpus_dir: Path, prepared: Path, tmp_path: Path, monkeypatch
+) -> None:
     """Killed after its second shard (in the middle of writing the third): no manifest, the half-written shard
     only in a hidden temporary directory, and the shards refused as unfinished. Run again, it prepares only the
     missing shards and ends with the uninterrupted run's manifest."""
@@ -278,9 +283,21 @@ def test_bad_shards_are_refused_before_training_naming_file_and_cause(copy: Path
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(copy / "tokenizer"))
     other = data.train_tokenizer(data.stdlib_corpus()[:300], vocab_size=600)
     cases = {
-        "sequence length": (lambda: None, {"max_seq_length": 128}, r"prepared at sequence length 64, the config's bert\.max_seq_length is 128"),
-        "vocabulary size": (lambda: None, {"vocab_size": 1024}, r"tokenized with a 600-token vocabulary, the config's bert\.vocab_size is 1024"),
-        "tokenizer": (lambda: None, {"tokenizer": other}, r"tokenized with .*/tokenizer .digest \w+., not the tokenizer given"),
+        "sequence length": (
+            lambda: None,
+            {"max_seq_length": 128},
+            r"prepared at sequence length 64, the config's bert\.max_seq_length is 128",
+        ),
+        "vocabulary size": (
+            lambda: None,
+            {"vocab_size": 1024},
+            r"tokenized with a 600-token vocabulary, the config's bert\.vocab_size is 1024",
+        ),
+        "tokenizer": (
+            lambda: None,
+            {"tokenizer": other},
+            r"tokenized with .*/tokenizer .digest \w+., not the tokenizer given",
+        ),
     }
     for name, (_, kwargs, message) in cases.items():
         with pytest.raises(shards.ShardError, match=message):
@@ -292,7 +309,10 @@ def test_bad_shards_are_refused_before_training_naming_file_and_cause(copy: Path
     with pytest.raises(shards.ShardError, match=r"shard-00001/tokens\.npy: empty"):
         shards.ShardSet.open(copy, SEQ, 600)
     tokens.write_bytes(original[:-100])
-    with pytest.raises(shards.ShardError, match=rf"shard-00001/tokens\.npy: truncated \({len(original) - 100} of {len(original)} bytes\)"):
+    with pytest.raises(
+        shards.ShardError,
+        match=rf"shard-00001/tokens\.npy: truncated \({len(original) - 100} of {len(original)} bytes\)",
+    ):
         shards.ShardSet.open(copy, SEQ, 600)
     flipped = bytearray(original)
     flipped[-1] ^= 1
@@ -333,7 +353,10 @@ def test_shard_batches_are_the_masked_instances(prepared: Path) -> None:
     vocab = data.Vocabulary.of(tokenizer)
     batches = loading.ShardBatches(opened, vocab, tokenizer.cls_token_id, tokenizer.sep_token_id, 5, "train")
     key = (3, (17, 2, len(opened) - 1))
-    items = [data.masked_item(opened.example("train", i, tokenizer.cls_token_id, tokenizer.sep_token_id), vocab, f"5:3:{i}") for i in key[1]]
+    items = [
+        data.masked_item(opened.example("train", i, tokenizer.cls_token_id, tokenizer.sep_token_id), vocab, f"5:3:{i}")
+        for i in key[1]
+    ]
     expected = data.collate_arrays(items, tokenizer.pad_token_id)
     got = batches[key]
     assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
@@ -369,7 +392,14 @@ def write_nvidia_shard(path: Path, rows: int, seq: int, max_pred: int, vocab: in
         "masked_lm_ids": masked_ids,
         "next_sentence_labels": rng.integers(0, 2, size=rows).astype(np.int8),
     }
-    dtypes = {"input_ids": "i4", "input_mask": "i1", "segment_ids": "i1", "masked_lm_positions": "i4", "masked_lm_ids": "i4", "next_sentence_labels": "i1"}
+    dtypes = {
+        "input_ids": "i4",
+        "input_mask": "i1",
+        "segment_ids": "i1",
+        "masked_lm_positions": "i4",
+        "masked_lm_ids": "i4",
+        "next_sentence_labels": "i1",
+    }
     with h5py.File(path, "w") as f:
         for key, value in arrays.items():
             f.create_dataset(key, data=value, dtype=dtypes[key], compression="gzip")
@@ -395,7 +425,9 @@ def nvidia_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     for i, rows in enumerate([70, 45, 96]):
         name = f"books_wiki_en_corpus_training_{i}.hdf5"
         written[name] = write_nvidia_shard(root / name, rows, SEQ, 10, 600, i)
-    written["books_wiki_en_corpus_test_0.hdf5"] = write_nvidia_shard(root / "books_wiki_en_corpus_test_0.hdf5", 40, SEQ, 10, 600, 9)
+    written["books_wiki_en_corpus_test_0.hdf5"] = write_nvidia_shard(
+        root / "books_wiki_en_corpus_test_0.hdf5", 40, SEQ, 10, 600, 9
+    )
     return root, written
 
 
@@ -456,7 +488,9 @@ def test_nvidia_batches_are_the_stored_arrays(nvidia_dir) -> None:
 
 def test_bad_nvidia_shards_are_refused_by_name(nvidia_dir, tmp_path: Path) -> None:
     root, _ = nvidia_dir
-    with pytest.raises(ValueError, match=r"training_0\.hdf5: sequence length 64, the config's bert\.max_seq_length is 128"):
+    with pytest.raises(
+        ValueError, match=r"training_0\.hdf5: sequence length 64, the config's bert\.max_seq_length is 128"
+    ):
         nvidia.discover(root, 128)
     with pytest.raises(ValueError, match="holds no NVIDIA training shards"):
         nvidia.discover(tmp_path, SEQ)
@@ -526,7 +560,9 @@ def test_pretrain_trains_on_nvidias_arrays_as_stored(one_rank: None, nvidia_dir,
             assert np.array_equal(batch["labels"][row], labels)
     test = written["books_wiki_en_corpus_test_0.hdf5"]
     assert np.array_equal(evaluation[0]["input_ids"], test["input_ids"][:8])
-    assert np.array_equal(evaluation[1]["labels"][3], nvidia_labels(test["masked_lm_positions"][11], test["masked_lm_ids"][11], SEQ))
+    assert np.array_equal(
+        evaluation[1]["labels"][3], nvidia_labels(test["masked_lm_positions"][11], test["masked_lm_ids"][11], SEQ)
+    )
     record = json.loads((tmp_path / "out" / config.stem / "corpus.json").read_text())
     assert record["training_files"] == 3 and record["train_pairs"] == 70 + 45 + 96 and record["held_out_pairs"] == 40
 
@@ -542,7 +578,9 @@ def test_pretrain_trains_on_nvidias_arrays_as_stored(one_rank: None, nvidia_dir,
         ("hdf5", r"x_training_0\.hdf5: sequence length 64, the config's bert\.max_seq_length is 128"),
     ],
 )
-def test_pretrain_refuses_bad_data_before_step_1(one_rank: None, copy: Path, tmp_path: Path, capsys, damage: str, message: str) -> None:
+def test_pretrain_refuses_bad_data_before_step_1(
+    one_rank: None, copy: Path, tmp_path: Path, capsys, damage: str, message: str
+) -> None:
     """``pretrain.py`` on bad data: one line naming the file and the cause on stderr, exit code 2, before any
     step (no metrics written), the data untouched."""
     import pretrain

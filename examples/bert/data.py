@@ -666,16 +666,23 @@ class PretrainingExample(NamedTuple):
     next_sentence_label: int  # 0: B follows A in the document; 1: B is from another document.
 
 
-def assemble(tokens: np.ndarray, pair: Pair, cls_id: int, sep_id: int) -> PretrainingExample:
-    """The instance a :class:`Pair` of ranges into ``tokens`` describes."""
-    a = tokens[pair.a_start : pair.a_start + pair.a_length].tolist()
-    b = tokens[pair.b_start : pair.b_start + pair.b_length].tolist()
+def assemble_segments(
+    a: list[int], b: list[int], next_sentence_label: int, cls_id: int, sep_id: int
+) -> PretrainingExample:
+    """The instance ``[CLS] a [SEP] b [SEP]``."""
     return PretrainingExample(
         input_ids=[cls_id, *a, sep_id, *b, sep_id],
         token_type_ids=[0] * (len(a) + 2) + [1] * (len(b) + 1),
         special_mask=[1] + [0] * len(a) + [1] + [0] * len(b) + [1],
-        next_sentence_label=int(pair.next_sentence_label),
+        next_sentence_label=int(next_sentence_label),
     )
+
+
+def assemble(tokens: np.ndarray, pair: Pair, cls_id: int, sep_id: int) -> PretrainingExample:
+    """The instance a :class:`Pair` of ranges into ``tokens`` describes."""
+    a = tokens[pair.a_start : pair.a_start + pair.a_length].tolist()
+    b = tokens[pair.b_start : pair.b_start + pair.b_length].tolist()
+    return assemble_segments(a, b, pair.next_sentence_label, cls_id, sep_id)
 
 
 def build_examples(
@@ -705,7 +712,8 @@ class Vocabulary(NamedTuple):
 
     @classmethod
     def of(cls, tokenizer: transformers.PreTrainedTokenizerBase) -> "Vocabulary":
-        return cls(len(tokenizer), tokenizer.mask_token_id, tokenizer.pad_token_id, frozenset(tokenizer.all_special_ids))
+        special = frozenset(tokenizer.all_special_ids)
+        return cls(len(tokenizer), tokenizer.mask_token_id, tokenizer.pad_token_id, special)
 
 
 def mask_tokens(

@@ -138,4 +138,3 @@ def loader(dataset: Dataset, keys: Iterable[Any], workers: int, prefetch: int) -
         collate_fn=as_is,
     )
     return (tensors(batch) for batch in made)
-

@@ -103,7 +103,8 @@ class NvidiaOrder:
 
     def __init__(self, files: list[File], micro: int, accum: int, world: int, rank: int, seed: int) -> None:
         if all(f.rows < micro for f in files):
-            raise ValueError(f"no training file holds a micro-batch of {micro} rows (largest: {max(f.rows for f in files)})")
+            largest = max(f.rows for f in files)
+            raise ValueError(f"no training file holds a micro-batch of {micro} rows (the largest holds {largest})")
         self.files, self.micro, self.accum, self.world, self.rank, self.seed = files, micro, accum, world, rank, seed
         self._epochs: list[list[int]] = []
 

@@ -1,5 +1,5 @@
 """Prepare BERT pretraining data once, for every launch after: documents to tokenized sentences to NSP instances,
-in shards on disk that ``pretrain.py --shards`` memory-maps.
+in shards on disk that ``pretrain.py --shards`` reads pair by pair.
 
     python examples/bert/prepare.py --text-dir /data/wikibooks --deepspeed_config configs/bert_large_phase1_kfac.json \\
         --tokenizer /data/bert-large-uncased-tokenizer --out /data/shards/phase1 --workers 32
@@ -89,7 +89,8 @@ def text_dir_source(root: Path, piece_bytes: int) -> Source:
 
 def hf_dataset_source(path: Path, column: str, piece_bytes: int) -> Source:
     pieces = sources.hf_dataset_pieces(path, column, piece_bytes)
-    record = {"hf_dataset": str(path.resolve()), **sources.hf_dataset_identity(path, column), "piece_bytes": piece_bytes}
+    identity = sources.hf_dataset_identity(path, column)
+    record = {"hf_dataset": str(path.resolve()), **identity, "piece_bytes": piece_bytes}
     return Source(pieces, record, path.resolve())
 
 
@@ -141,7 +142,8 @@ def prepare_shard(job: Job) -> dict[str, Any]:
     train_sentences = sum(map(len, train))
     tokens, lengths = data.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
     if len(tokens) >= 2**32:
-        raise ValueError(f"{name} ({job.identity['piece']}): {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
+        where = f"{name} ({job.identity['piece']})"
+        raise ValueError(f"{where}: {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
     train_ranges = data.document_sentences(train, lengths[:train_sentences])
     held_ranges = data.document_sentences(held, lengths[train_sentences:], int(lengths[:train_sentences].sum()))
     try:
@@ -356,7 +358,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     inputs.add_argument("--corpus", choices=data.EMBEDDED_CORPORA, help="an embedded corpus (no download)")
     parser.add_argument("--text-column", default="text", help="the dataset's text column")
     parser.add_argument("--tokenizer", type=Path, help="a saved fast tokenizer (save_pretrained); default: train one")
-    parser.add_argument("--deepspeed_config", type=Path, required=True, help="its 'bert' section: sequence length, vocab")
+    parser.add_argument(
+        "--deepspeed_config", type=Path, required=True, help="its 'bert' section: sequence length, vocabulary size"
+    )
     parser.add_argument("--out", type=Path, required=True, help="the directory of shards to write")
     parser.add_argument("--workers", type=int, default=1, help="processes preparing shards in parallel")
     parser.add_argument("--seed", type=int, default=0, help="held-out split, tokenizer sample and sentence pairs")

@@ -14,7 +14,7 @@ train from the shards, or from NVIDIA's preprocessed HDF5 shards as they are::
     deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase1_kfac.json \\
         --shards /data/shards/phase1 --output-dir runs/phase1
     deepspeed --hostfile hosts examples/bert/pretrain.py --deepspeed_config configs/bert_large_phase1_kfac.json \\
-        --nvidia-hdf5 /data/hdf5_lower_case_1_seq_len_128_max_pred_20_masked_lm_prob_0.15_random_seed_12345_dupe_factor_5
+        --nvidia-hdf5 /data/hdf5_seq_len_128_max_pred_20/books_wiki_en_corpus
 
 Besides DeepSpeed's keys, the config has a ``"bert"`` section (``recipe.py``; read here, not passed to DeepSpeed):
 ``model`` (a ``transformers.BertConfig`` JSON), ``max_seq_length``, ``max_steps``, ``warmup_proportion``,
@@ -24,7 +24,7 @@ linear warm-up, then ``(1 - progress) ** poly_power`` decay. A ``"client_optimiz
 ``torch.optim.Optimizer`` (:func:`ds_kfac.optimizers.client.pop_client_optimizer`; both sections are refused),
 passed to ``ds_kfac.initialize``.
 
-Data: ``--shards`` (a directory ``prepare.py`` wrote: memory-mapped, each rank reading only the pairs it trains
+Data: ``--shards`` (a directory ``prepare.py`` wrote, each rank reading (``pread``) only the pairs it trains
 on; its sequence length, vocabulary and contents checked before step 1), ``--nvidia-hdf5`` (NVIDIA's shards with
 their static masks, ``nvidia.py``), or by default an embedded corpus, so the script runs offline: ``--corpus
 packages`` (the default) reads the docstrings of the standard library's and the installed dependencies' Python
@@ -79,7 +79,7 @@ T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[2]
 PREPARATION_CODE = hashlib.sha256(
-    b"".join((Path(__file__).parent / name).read_bytes() for name in ("data.py", "sources.py", "shards.py", "prepare.py"))
+    b"".join((Path(__file__).parent / f).read_bytes() for f in ("data.py", "sources.py", "shards.py", "prepare.py"))
 ).hexdigest()
 """Keys the embedded corpus's prepared shards with the code that prepares them."""
 MEMORY_STEPS = (1, 10, 20, 50, 100)

@@ -1,7 +1,7 @@
-"""Prepared shards: the directory ``prepare.py`` writes and ``pretrain.py --shards`` memory-maps.
+"""Prepared shards: the directory ``prepare.py`` writes and ``pretrain.py --shards`` reads.
 
-Layout (numpy's ``.npy`` format throughout, so every file is read with ``np.load(mmap_mode="r")``, zero-copy, the
-pages shared by every rank of a node through the page cache)::
+Layout (numpy's ``.npy`` format throughout: a header, then the array's bytes, so a row is one ``pread`` at a known
+offset, served by the page cache every rank of a node shares)::
 
     SHARDS/manifest.json            written last: settings, tokenizer, versions, counts, each shard's digest
     SHARDS/tokenizer/               the tokenizer the ids come from (``save_pretrained``)
@@ -116,9 +116,48 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return content
 
 
+class _Arrays:
+    """Rows of the shards' ``.npy`` arrays read with ``os.pread``: no mapping, so a process's resident memory stays
+    what it holds (mapped pages count in it, and Linux maps a file's cached neighbours on every fault: 908 MB after
+    8,000 random pairs of a 2 GB corpus's shards), while the page cache, shared by every rank of a node, keeps what
+    is read often. Files are opened on first use by the process that reads them (a data-loader worker opens its
+    own), at most :data:`OPEN_FILES` at a time."""
+
+    OPEN_FILES = 128
+
+    def __init__(self) -> None:
+        self._open: dict[Path, tuple[int, int, np.dtype]] = {}
+        self._pid = os.getpid()
+
+    def _file(self, path: Path) -> tuple[int, int, np.dtype]:
+        if self._pid != os.getpid():  # forked: this process opens its own
+            self._open, self._pid = {}, os.getpid()
+        if path not in self._open:
+            if len(self._open) >= self.OPEN_FILES:
+                os.close(self._open.pop(next(iter(self._open)))[0])
+            with path.open("rb") as file:
+                version = np.lib.format.read_magic(file)
+                header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                _, _, dtype = header(file)
+                offset = file.tell()
+            self._open[path] = (os.open(path, os.O_RDONLY), offset, dtype)
+        return self._open[path]
+
+    def read(self, path: Path, start: int, count: int) -> np.ndarray:
+        """Elements ``[start, start + count)`` of the (flattened) array in ``path``."""
+        fd, offset, dtype = self._file(path)
+        raw = os.pread(fd, count * dtype.itemsize, offset + start * dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_open": {}, "_pid": None}  # a process started by spawn opens its own files
+
+
 class ShardSet:
-    """Prepared shards opened for training: counts in memory, arrays memory-mapped on first use (so a data-loader
-    worker maps its own), a global index per split over the shards in order."""
+    """Prepared shards opened for training: counts in memory, rows read on demand (:class:`_Arrays`), a global
+    index per split over the shards in order."""
 
     def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
         self.root = root
@@ -128,7 +167,7 @@ class ShardSet:
             split: np.concatenate([[0], np.cumsum([shard[f"{split}_pairs"] for shard in manifest["shards"]])])
             for split in SPLITS
         }
-        self._maps: dict[tuple[int, str], np.ndarray] = {}
+        self._arrays = _Arrays()
 
     @classmethod
     def open(
@@ -146,8 +185,8 @@ class ShardSet:
         if not (root / MANIFEST).is_file():
             partial = sorted(p.name for p in root.iterdir() if p.name.startswith("shard-"))
             cause = (
-                f"a preparation that did not finish ({len(partial)} shards, no manifest): run prepare.py again with the "
-                f"same arguments, it redoes only the missing shards"
+                f"a preparation that did not finish ({len(partial)} shards, no manifest): run prepare.py again "
+                f"with the same arguments, it redoes only the missing shards"
                 if partial
                 else "no shards (no manifest.json): prepare them with examples/bert/prepare.py"
             )
@@ -214,25 +253,23 @@ class ShardSet:
     def size(self, split: str) -> int:
         return int(self.starts[split][-1])
 
-    def _map(self, shard: int, file: str) -> np.ndarray:
-        key = (shard, file)
-        if key not in self._maps:
-            self._maps[key] = np.load(self.root / self.names[shard] / file, mmap_mode="r")
-        return self._maps[key]
-
     def example(self, split: str, index: int, cls_id: int, sep_id: int) -> data.PretrainingExample:
         """The ``index``-th instance of ``split`` ("train" or "held_out") over all shards, unmasked."""
         starts = self.starts[split]
         shard = int(np.searchsorted(starts, index, side="right")) - 1
-        pair = data.Pair(*(int(v) for v in self._map(shard, SPLITS[split])[index - starts[shard]].tolist()))
-        return data.assemble(self._map(shard, "tokens.npy"), pair, cls_id, sep_id)
+        directory = self.root / self.names[shard]
+        row = self._arrays.read(directory / SPLITS[split], int(index - starts[shard]), 1)[0]
+        pair = data.Pair(*(int(v) for v in row.tolist()))
+        a = self._arrays.read(directory / "tokens.npy", pair.a_start, pair.a_length)
+        b = self._arrays.read(directory / "tokens.npy", pair.b_start, pair.b_length)
+        return data.assemble_segments(a.tolist(), b.tolist(), pair.next_sentence_label, cls_id, sep_id)
 
     def token_counts(self, split: str) -> np.ndarray:
         """How often each token id occurs in the instances of ``split`` (A and B, without the special tokens): a
         token in two instances counts twice."""
         counts = np.zeros(self.manifest["tokenizer"]["vocab_size"], dtype=np.int64)
-        for shard in range(len(self.names)):
-            tokens, pairs = self._map(shard, "tokens.npy"), self._map(shard, SPLITS[split])
+        for name in self.names:
+            tokens, pairs = np.load(self.root / name / "tokens.npy"), np.load(self.root / name / SPLITS[split])
             cover = np.zeros(len(tokens) + 1, dtype=np.int64)  # instances covering each token, as differences
             for side in ("a", "b"):
                 start = pairs[f"{side}_start"].astype(np.int64)
@@ -240,6 +277,3 @@ class ShardSet:
                 np.add.at(cover, start + pairs[f"{side}_length"], -1)
             counts += np.bincount(tokens, weights=np.cumsum(cover[:-1]), minlength=len(counts)).astype(np.int64)
         return counts
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": {}}  # a worker started by spawn maps the files itself

@@ -203,7 +203,9 @@ def hf_dataset_pieces(path: str | os.PathLike, column: str, piece_bytes: int) ->
     text_bytes = dataset.data.column(column).nbytes
     per_piece = max(1, math.ceil(rows * piece_bytes / max(text_bytes, 1)))
     return [
-        Piece(index, DatasetRows(str(path), column, start, min(start + per_piece, rows)), text_bytes * per_piece // rows)
+        Piece(
+            index, DatasetRows(str(path), column, start, min(start + per_piece, rows)), text_bytes * per_piece // rows
+        )
         for index, start in enumerate(range(0, rows, per_piece))
     ]
 
