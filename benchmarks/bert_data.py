@@ -313,13 +313,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["train"] = runs
     result["access_probe"] = access_probe(out / f"shards-{largest}mb")
     print(f"access probe: {result['access_probe']}", flush=True)
-    if args.today_tree is not None:
+    measured = out / "today.json"
+    if args.today_tree is not None and (args.fresh or not measured.is_file()):
         tree = args.today_tree.resolve()
         commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
         cap = int(args.today_cap_gb * 2**30)
         today = train(tree, ["--text-dir", str(corpora[largest])], out / "today", "today", cap, args.today_minutes)
-        result["today"] = {"commit": commit.stdout.strip(), "cap_gb": args.today_cap_gb, **today}
-        print(f"today: {json.dumps(result['today'])}", flush=True)
+        measured.write_text(json.dumps({"commit": commit.stdout.strip(), "cap_gb": args.today_cap_gb, **today}) + "\n")
+        print(f"today: {measured.read_text()}", flush=True)
+    if args.today_tree is not None:
+        result["today"] = json.loads(measured.read_text())  # an earlier run's, unless --fresh
     result["summary"] = summary(result, largest)
     return result
 

@@ -135,6 +135,12 @@ def test_dataset_pieces(tmp_path: Path) -> None:
     documents = [doc for piece in pieces for doc in piece.read()[0]]
     assert documents == sources.read_hf_dataset(tmp_path / "saved") and len(documents) == 80
     assert documents[0] == ["Row 1 opens.", "It goes on a while here?", "Row 1 ends!"]
+    # Prepared as a text directory is: a shard a piece, its documents all there.
+    source = prepare.hf_dataset_source(tmp_path / "saved", "text", 2_000)
+    settings = prepare.Settings(SEQ, held_out_fraction=0.1)
+    manifest = prepare.prepare(source, tmp_path / "shards", settings, 100, sample_bytes=10_000, progress=False)
+    assert len(manifest["shards"]) == len(source.pieces) > 1 and manifest["totals"]["documents"] == 80
+    assert manifest["source"]["rows"] == 100 and len(manifest["source"]["fingerprint"]) > 8
 
 
 # --------------------------------------------------------------------------- preparation
