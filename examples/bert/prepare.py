@@ -23,6 +23,7 @@ another preparation (other input, settings or tokenizer) is refused, never writt
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -107,13 +108,10 @@ def embedded_source(name: str, cache_dir: Optional[Path], piece_bytes: int) -> S
 
 # --------------------------------------------------------------------------- one shard (in a worker)
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
+@functools.lru_cache(maxsize=2)
 def _backend(path: str) -> Tokenizer:
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = Tokenizer.from_file(path)
-    return _TOKENIZERS[path]
+    """The preparation's tokenizer, loaded once per worker process (``tokenizers`` alone, not ``transformers``)."""
+    return Tokenizer.from_file(path)
 
 
 def split_piece(documents: list[data.Document], settings: Settings, index: int) -> tuple[list, list]:
