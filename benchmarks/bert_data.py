@@ -323,11 +323,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"today: {measured.read_text()}", flush=True)
     if args.today_tree is not None:
         result["today"] = json.loads(measured.read_text())  # an earlier run's, unless --fresh
-    result["summary"] = summary(result, largest)
+    result["figures"] = figures(result, largest)
     return result
 
 
-def summary(result: dict[str, Any], largest: int) -> dict[str, Any]:
+def figures(result: dict[str, Any], largest: int) -> dict[str, Any]:
     """The targets' figures: medians over repeats of the per-rank maxima."""
     big, small = result["train"][f"{largest}mb"], result["train"]["embedded"]
 
@@ -339,7 +339,7 @@ def summary(result: dict[str, Any], largest: int) -> dict[str, Any]:
     first = lambda r: max(r["first_step_seconds"])  # noqa: E731
     wait = lambda r: max(r["data_wait_fraction"])  # noqa: E731
     steady = lambda r: r["rank0_steps_2_to_20"]["data_wait_fraction"]  # noqa: E731
-    figures: dict[str, Any] = {
+    found: dict[str, Any] = {
         "rank_resident_ratio": _ratio(per_run(big, rss), per_run(small, rss)),
         "rank_and_loader_resident_ratio": _ratio(per_run(big, both), per_run(small, both)),
         "first_step_ratio": _ratio(per_run(big, first), per_run(small, first)),
@@ -350,18 +350,18 @@ def summary(result: dict[str, Any], largest: int) -> dict[str, Any]:
     }
     if "today" in result:
         today = result["today"]
-        figures["today_peak_rss_gib"] = today["peak_rss_bytes"] / 2**30
-        figures["today_reached_step"] = "first_step_seconds" in today
-        figures["new_over_today_peak_memory"] = (
+        found["today_peak_rss_gib"] = today["peak_rss_bytes"] / 2**30
+        found["today_reached_step"] = "first_step_seconds" in today
+        found["new_over_today_peak_memory"] = (
             statistics.median(
                 per_run(big, lambda r: sum(x["rank"] + x["loader_workers"] for x in r["resident_bytes_after_20"]))
             )
             / today["peak_rss_bytes"]
         )
-        figures["new_first_step_over_today_seconds"] = statistics.median(per_run(big, first)) / (
+        found["new_first_step_over_today_seconds"] = statistics.median(per_run(big, first)) / (
             max(today["first_step_seconds"]) if "first_step_seconds" in today else today["seconds"]
         )
-    return figures
+    return found
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -389,7 +389,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.argv = sys.argv[2:] if argv is None else argv[1:]
     result = run(args)
     args.result.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
+    print(json.dumps(result["figures"], indent=1))
 
 
 if __name__ == "__main__":
