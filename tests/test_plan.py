@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 3
 """Step 0 updates factors and decomposes (and runs the engine's one-off check), 1 updates factors, 2 both."""
 KFAC = {"factor_update_steps": 1, "inv_update_steps": 2, "damping": 0.01}
-MOMENTS = {**KFAC, "eigenbasis_moments": True}
+MOMENTS = {**KFAC, "eigenbasis_moments": True, "refresh_spread": False}
+"""The key with every refresh at the cycle's first step: the planner's per-step bytes are those of that cadence (with
+``refresh_spread``, the key's default, a cycle's refreshes and their bytes are spread over its steps)."""
 TIED = {**MOMENTS, "tied_layers": "precondition", "eigenbasis_max_dim": 8}
 """``problem.TiedModel``: a tied decoder keeping an ``A`` basis only, a head a ``G`` basis only (one-sided blocks)."""
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6}}}
