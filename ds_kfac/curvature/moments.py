@@ -12,7 +12,8 @@ learning rate act in the parameter basis) without a second per-element normalisa
 the base optimizer's own. When the basis changes, ``m`` is rotated exactly into the new one and ``v``, a
 diagonal second moment, is re-projected the way the eigenvalue correction's ``S`` is (``v' = R_G v R_A^T``,
 ``R = (Q_new^T Q_old)^2`` elementwise; :func:`~.numerics.change_basis`); docs/conventions.md has the definitions and the measurement behind
-that choice.
+that choice. Along a factor's null space, rotated entries within rounding of 0 are 0 and so are ``m`` and ``v``
+there (:func:`eigenbasis_directions`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ FLUSH = 10.0
 NULL_UNIT = torch.finfo(torch.float32).eps
 """The unit roundoff of a factor's null space and of the rounding found there (:func:`null_directions`,
 :func:`eigenbasis_directions`): float32's in every dtype, so a float64 run drops what a float32 one drops (with
-float64's, issue 62's 8-wide model's two runs part by 1.1e-2)."""
+float64's, the two runs of ``tests/workers/problem.py``'s 8-wide LayerNorm model part by 1.1e-2)."""
 NULL_FLUSH = 1000.0
 """Along a null space, rotated gradient entries below ``NULL_FLUSH`` float32 roundoffs of the gradient's norm are
-rounding (:func:`eigenbasis_directions`): measured, 100 to 10,000 give 2 ranks and one process within 3e-6 on issue
-62's models, where basis rounding reaches 1e-7 to 1e-5 of the norm and rows new to the factor 1e-2."""
+rounding (:func:`eigenbasis_directions`): 100 to 10,000 all keep 2 ranks within 3e-6 of one process on the LayerNorm
+models of ``tests/workers/problem.py`` (8 and 16 wide), whose rounding there was below 1e-6 of the norm and whose
+rows new to a factor gave about 1e-2."""
 Spectra = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 """A layer's (or a stack's) eigenvalues ``(v_A, v_G)``, ``None`` for a side left in the parameter basis."""
 
@@ -135,7 +137,7 @@ def eigenbasis_directions(
     ``NULL_FLUSH`` float32 roundoffs of the gradient's norm, ``|r_ij| <= NULL_FLUSH u ||g||_F``, is rounding (0 in
     exact arithmetic: the gradient's rows lie in the factor's range) and is taken as 0, with ``m`` and ``v`` there
     (the basis changes' rounding they carry): Adam's division would otherwise make it a step of up to the learning
-    rate's size (0.97 of it measured, issue 62) in a direction the curvature has not seen, different for every
+    rate's size (0.97 of it measured) in a direction the curvature has not seen, different for every
     reduction order. Larger entries there are rows the factor has not seen yet (between refreshes), kept.
 
     With ``rounding`` (``basis_update: "exact"``), a rotated entry with
