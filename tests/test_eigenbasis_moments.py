@@ -650,8 +650,8 @@ def test_the_shipped_refresh_takes_no_step_along_a_null_space() -> None:
     (every factor but the first ``A`` rank-deficient at step 0, the LayerNorm's ``G`` at every step), factors and a
     refresh of every side each step, AdamW eps 1e-6: the direction K-FAC hands AdamW, rotated into the step's
     eigenbasis, is at most 100 float32 roundoffs of its norm along each factor's null space (the directions whose
-    eigenvalue is within ``sqrt(n) u max(v)`` of 0). Before, Adam's division made the gradient's rounding there up to
-    0.97 of a full entry."""
+    eigenvalue is within ``sqrt(n) u max(v)`` of 0). Before, Adam's division made the gradient's rounding there 2.6e-2
+    of the direction's norm (an entry of 0.18)."""
     from workers import problem
 
     u = torch.finfo(torch.float32).eps

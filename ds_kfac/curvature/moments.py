@@ -136,8 +136,8 @@ def eigenbasis_directions(
     Along a factor's null space (:func:`null_directions` of the eigenvalues ``spectra``), a rotated entry within
     ``NULL_FLUSH`` float32 roundoffs of the gradient's norm, ``|r_ij| <= NULL_FLUSH u ||g||_F``, is rounding (0 in
     exact arithmetic: the gradient's rows lie in the factor's range) and is taken as 0, with ``m`` and ``v`` there
-    (the basis changes' rounding they carry): Adam's division would otherwise make it a step of up to the learning
-    rate's size (0.97 of it measured) in a direction the curvature has not seen, different for every
+    (the basis changes' rounding they carry): Adam's division would otherwise make it a step of the learning
+    rate's order in a direction the curvature has not seen, different for every
     reduction order. Larger entries there are rows the factor has not seen yet (between refreshes), kept.
 
     With ``rounding`` (``basis_update: "exact"``), a rotated entry with
