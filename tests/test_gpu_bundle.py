@@ -144,7 +144,7 @@ def test_bert_check_dry_run(one_rank: None, tmp_path: Path) -> None:
 def test_bert_plan_and_budget() -> None:
     """The default plan: its schedules, grids and predicted seconds (inside one 10-minute call); every arm's config
     as ds_kfac takes it."""
-    from ds_kfac.integration.optimizer_setup import refuse_flat_muon
+    from ds_kfac.integration.optimizer_setup import refuse_muon
 
     plan = convergence.parse_plan(convergence.PLAN)
     assert plan == [("4x512", 256), ("4x512", 1024), ("4x512", 4096), ("12x768", 1024)]
@@ -164,12 +164,14 @@ def test_bert_plan_and_budget() -> None:
         assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] == 1024
         assert config["bert"]["max_steps"] == 32 and config["bert"]["eval_every"] == 5 and config["bf16"]["enabled"]
         assert (config.get("optimizer") or config["client_optimizer"])["params"]["lr"] == 0.001
-        refuse_flat_muon(config)
+        refuse_muon(config, KFACConfig.parse(config.get("kfac")))
         if "kfac" in config:
             assert KFACConfig.parse(config["kfac"]).eigenbasis_max_dim == 769  # every hidden-wide side
     shipped = json.loads((ROOT / "configs/bert_cpu_phase2_kfac.json").read_text())
     with pytest.raises(Exception, match="Muon"):
-        refuse_flat_muon({**shipped, "bf16": {"enabled": True}})  # why ds_kfac's arm takes AdamW for the rest
+        refuse_muon(
+            {**shipped, "bf16": {"enabled": True}}, KFACConfig.parse(shipped["kfac"])
+        )  # why ds_kfac's arm takes AdamW for the rest
     with pytest.raises(ValueError, match="SIZE:BATCH"):
         convergence.parse_plan(["4x512"])
 

@@ -57,6 +57,74 @@ def test_two_configs_and_no_config_refused(tmp_path: Path) -> None:
         ds_kfac.initialize(model=model)
 
 
+TOP_LEVELS = {
+    "list": ("[1, 2]", "a list: [1, 2]"),
+    "number": ("3", "an integer: 3"),
+    "float": ("0.5", "a number: 0.5"),
+    "string": ('"configs/resnet_kfac_cpu.json"', 'a string: "configs/resnet_kfac_cpu.json"'),
+    "null": ("null", "null"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOP_LEVELS))
+def test_a_config_file_whose_top_level_is_no_object_is_named(tmp_path: Path, case: str) -> None:
+    """A JSON file whose top level is a list, a number, a string or null, given as ``config=`` or as
+    ``--deepspeed_config``: one ``ValueError`` naming the file and what it holds, before anything starts (before: a
+    ``TypeError`` or ``AttributeError`` from ``"kfac" in config`` and ``config.pop``)."""
+    text, shown = TOP_LEVELS[case]
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    model = problem.make_model()
+    expected = f"the DeepSpeed config {path} must be a JSON object (keys and values), got {shown}"
+    for given in ({"config": str(path)}, {"args": argparse.Namespace(deepspeed_config=str(path))}):
+        with pytest.raises(ValueError) as caught:
+            ds_kfac.initialize(model=model, **given)
+        assert str(caught.value) == expected
+
+
+@pytest.mark.parametrize("config", [[1, 2], 3, "damping", (0.1,)], ids=["list", "number", "string", "tuple"])
+def test_a_standalone_config_of_another_kind_is_named(config: object) -> None:
+    """``KFACPreconditioner(config=...)`` that is neither a dict of the keys nor a ``KFACConfig`` (before: a
+    ``TypeError`` from unpacking it)."""
+    with pytest.raises(ds_kfac.KFACConfigError, match=r'config=\.\.\.\) must be a dict of the "kfac" keys or a KFACC'):
+        ds_kfac.KFACPreconditioner(problem.make_model(), config=config, lr=0.1)
+
+
+SECTIONS_OF_ANOTHER_KIND = {
+    "optimizer": ({"optimizer": ["SGD"]}, 'optimizer must be a JSON object (keys and values), got a list: ["SGD"]'),
+    "optimizer_params": (
+        {"optimizer": {"type": "SGD", "params": [0.1]}},
+        "optimizer.params must be a JSON object (keys and values), got a list: [0.1]",
+    ),
+    "moments_params": (
+        {"optimizer": {"type": "AdamW", "params": 0.01}, "kfac": {"eigenbasis_moments": True}},
+        "optimizer.params must be a JSON object (keys and values), got a number: 0.01",
+    ),
+    "zero": ({"zero_optimization": 2}, "zero_optimization must be a JSON object (keys and values), got an integer: 2"),
+    "muon_zero": (
+        {"optimizer": {"type": "Muon", "params": {}}, "kfac": {"eigenbasis_moments": True}, "zero_optimization": []},
+        "zero_optimization must be a JSON object (keys and values), got a list: []",
+    ),
+    "muon_bf16": (
+        {"optimizer": {"type": "Muon", "params": {}}, "kfac": {"eigenbasis_moments": True}, "bf16": "on"},
+        'bf16 must be a JSON object (keys and values), got a string: "on"',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SECTIONS_OF_ANOTHER_KIND))
+def test_sections_ds_kfac_reads_of_another_kind_are_named(one_rank: None, case: str) -> None:
+    """The sections ``initialize`` reads itself to build the JSON optimizer (its ``params``, the ZeRO stage, bf16):
+    one ``ValueError`` naming the section and what it holds (before: ``AttributeError: 'list' object has no attribute
+    'get'`` and ``TypeError``s)."""
+    extra, message = SECTIONS_OF_ANOTHER_KIND[case]
+    model = problem.make_model()
+    config = {**BASE, "kfac": {}, **extra}
+    with pytest.raises(ValueError) as caught:
+        ds_kfac.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert str(caught.value) == f"the DeepSpeed config: {message}"
+
+
 def test_add_config_arguments_mirrors_deepspeed(tmp_path: Path) -> None:
     parser = ds_kfac.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(tmp_path / "c.json")])

@@ -4,6 +4,7 @@ K-FAC's layers (ds_kfac/optimizers/muon.py)."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,55 @@ def test_resume_across_a_refresh_with_the_muon_half_is_bitwise(engines: list, tm
     for (name, got), want in zip(models[2].named_parameters(), models[0].parameters()):
         assert torch.equal(got, want), name
     assert not torch.equal(models[2].head.weight, models[1].head.weight)  # can fail: the resumed steps moved it
+
+
+BASE_OPTIMIZERS = {
+    "SGD": {"lr": 0.1},
+    "Lamb": {"lr": 0.01},
+    "Adam": {"lr": 0.01},
+    "AdamW": {"lr": 0.01},
+    "Muon": MUON,
+}
+"""Every JSON base optimizer K-FAC runs with, beside JSON Muon."""
+REFUSED = {
+    ("SGD", True): "SGD keeps no second moment",
+    ("Muon", False): "optimizer type 'Muon' with K-FAC needs kfac.eigenbasis_moments: true: without it DeepSpeed's "
+    "Muon takes K-FAC's layers among its matrices and orthogonalises their preconditioned gradients",
+}
+"""What ``initialize`` refuses, by (optimizer type, with the key)."""
+
+
+@pytest.mark.parametrize("moments", [False, True], ids=["plain", "moments"])
+@pytest.mark.parametrize("kind", list(BASE_OPTIMIZERS))
+def test_every_base_optimizer_with_and_without_the_key(engines: list, kind: str, moments: bool) -> None:
+    """Refused by name: JSON Muon without the key (Newton-Schulz would orthogonalise K-FAC's preconditioned gradient,
+    where docs/config.md says Muon for K-FAC's layers is not offered; before, it ran silently), SGD with it. The
+    others build: with the key, K-FAC's layers (``body``) in flagged groups and no Muon group holding them; without
+    it, no flagged group, and the base optimizer steps ``P(g)``."""
+    kfac = {**KFAC, "eigenbasis_moments": moments}
+    optimizer = {"type": kind, "params": BASE_OPTIMIZERS[kind]}
+    model = Tiny()
+    if (kind, moments) in REFUSED:
+        with pytest.raises(KFACConfigError, match=re.escape(REFUSED[kind, moments])):
+            _kfac_engine(engines, optimizer, model, kfac)
+        return
+    engine, opt = _kfac_engine(engines, optimizer, model, kfac)
+    flagged = {id(p) for g in opt.param_groups if g.get(GROUP_KEY) for p in g["params"]}
+    assert flagged == ({id(model.body.weight), id(model.body.bias)} if moments else set())
+    muon = {id(p) for g in opt.param_groups if g.get(MUON_KEY) for p in g["params"]}
+    assert muon == ({id(model.head.weight)} if kind == "Muon" else set())
+    assert [b.name for b in engine.kfac.blocks] == ["body"]
+
+
+def test_muon_without_the_key_is_plain_deepspeed_where_kfac_registers_no_layer(engines: list) -> None:
+    """K-FAC enabled but every layer skipped: nothing of K-FAC's reaches Muon, so JSON Muon without the key is not
+    refused (DeepSpeed's own Muon, its matrices ``body`` and ``head``)."""
+    config = {"train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": {"type": "Muon", "params": MUON}}
+    model = Tiny()
+    with pytest.warns(UserWarning, match="K-FAC registered no layer"):
+        engine, opt, *_ = ds_kfac.initialize(
+            model=model, model_parameters=_groups(model), config={**config, "kfac": {"skip_layers": [".*"]}}
+        )
+    engines.append(engine)
+    muon = [p for g in opt.param_groups if g.get("use_muon") for p in g["params"]]
+    assert {id(p) for p in muon} == {id(model.body.weight), id(model.head.weight)}

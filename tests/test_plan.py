@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 3
 """Step 0 updates factors and decomposes (and runs the engine's one-off check), 1 updates factors, 2 both."""
 KFAC = {"factor_update_steps": 1, "inv_update_steps": 2, "damping": 0.01}
-MOMENTS = {**KFAC, "eigenbasis_moments": True}
+MOMENTS = {**KFAC, "eigenbasis_moments": True, "refresh_spread": False}
+"""The key with every refresh at the cycle's first step: the planner's per-step bytes are those of that cadence (with
+``refresh_spread``, the key's default, a cycle's refreshes and their bytes are spread over its steps)."""
 TIED = {**MOMENTS, "tied_layers": "precondition", "eigenbasis_max_dim": 8}
 """``problem.TiedModel``: a tied decoder keeping an ``A`` basis only, a head a ``G`` basis only (one-sided blocks)."""
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6}}}
@@ -308,10 +310,11 @@ MUON_ZERO2 = {
         (["--world", "0"], BERT_TINY, "--world must be a positive number of data-parallel ranks, got 0"),
         (["--world", "-2"], BERT_TINY, "--world must be a positive number of data-parallel ranks, got -2"),
         ([], "not JSON", "cannot read the DeepSpeed config"),
+        ([], {**BERT_TINY, "optimizer": {"type": "Muon", "params": {}}}, "optimizer type 'Muon' with K-FAC needs"),
     ],
     ids=[
         *("preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "batch", "kfac_key", "no_model"),
-        *("muon", "world_0", "world_negative", "not_json"),
+        *("muon", "world_0", "world_negative", "not_json", "muon_without_moments"),
     ],
 )
 def test_bad_input_is_named(tmp_path: Path, args: list[str], config: dict, message: str) -> None:
@@ -322,3 +325,81 @@ def test_bad_input_is_named(tmp_path: Path, args: list[str], config: dict, messa
     with pytest.raises(SystemExit, match=re.escape(message)) as error:
         main(argv)
     assert isinstance(error.value.code, str) and error.value.code.startswith("python -m ds_kfac.plan: ")
+
+
+# A config's top level, and each section and key the planner reads, of another JSON kind: (JSON text, message).
+WRONG_KINDS = {
+    "list": ("[1, 2]", "the DeepSpeed config {path} must be a JSON object (keys and values), got a list: [1, 2]"),
+    "number": ("3", "the DeepSpeed config {path} must be a JSON object (keys and values), got an integer: 3"),
+    "float": ("2.5", "the DeepSpeed config {path} must be a JSON object (keys and values), got a number: 2.5"),
+    "string": ('"ds.json"', 'the DeepSpeed config {path} must be a JSON object (keys and values), got a string: "ds'),
+    "null": ("null", "the DeepSpeed config {path} must be a JSON object (keys and values), got null"),
+    "kfac": ({"kfac": [1]}, "'kfac' must be a JSON object, got list: [1]"),
+    "zero": ({"zero_optimization": 2}, "{path}: zero_optimization must be a JSON object (keys and values), got an"),
+    "stage": ({"zero_optimization": {"stage": "2"}}, "{path}: zero_optimization.stage must be an integer, got a stri"),
+    "alignment": (
+        {"zero_optimization": {"parameter_alignment": "yes"}},
+        "{path}: zero_optimization.parameter_alignment must be a b",
+    ),
+    "round_robin": (
+        {"zero_optimization": {"round_robin_gradients": 1}},
+        "{path}: zero_optimization.round_robin_gradients must be a b",
+    ),
+    "bf16": ({"bf16": True}, "{path}: bf16 must be a JSON object (keys and values), got a boolean: true"),
+    "fp16": ({"fp16": {"enabled": "true"}}, '{path}: fp16.enabled must be a boolean, got a string: "true"'),
+    "batch": ({"train_batch_size": "64"}, '{path}: train_batch_size must be an integer, got a string: "64"'),
+    "micro": ({"train_micro_batch_size_per_gpu": 2.5}, "{path}: train_micro_batch_size_per_gpu must be an integer"),
+    "accumulation": ({"gradient_accumulation_steps": [2]}, "{path}: gradient_accumulation_steps must be an integer"),
+    "clipping": ({"gradient_clipping": "1.0"}, '{path}: gradient_clipping must be a number, got a string: "1.0"'),
+    "optimizer": ({"optimizer": "AdamW"}, "{path}: optimizer must be a JSON object (keys and values), got a string"),
+    "optimizer_type": ({"optimizer": {"type": 1}}, "{path}: optimizer.type must be a string, got an integer: 1"),
+    "bert": ({"bert": ["bert-tiny"]}, "{path}: bert must be a JSON object (keys and values), got a list"),
+    "bert_model": ({"bert": {"model": 3}}, "{path}: bert.model must be a string, got an integer: 3"),
+    "bert_vocab": ({"bert": {"model": "bert-base", "vocab_size": "big"}}, "{path}: bert.vocab_size must be an"),
+    "bert_seq": ({"bert": {"model": "bert-base", "max_seq_length": 64.5}}, "{path}: bert.max_seq_length must"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_KINDS))
+def test_a_config_of_the_wrong_json_kind_is_named(tmp_path: Path, case: str) -> None:
+    """A JSON list, number, string or null as the config's top level, and each section or key the planner reads of
+    another kind: one line naming where it is, what it must be and what it is; exit status 1, no traceback (before:
+    ``AttributeError: 'list' object has no attribute 'get'`` and other tracebacks)."""
+    text, message = WRONG_KINDS[case]
+    path = tmp_path / "ds.json"
+    path.write_text(text if isinstance(text, str) else json.dumps({**BERT_TINY, **text}))
+    with pytest.raises(SystemExit) as error:
+        main(["--deepspeed_config", str(path), "--world", "4"])
+    assert isinstance(error.value.code, str) and "\n" not in error.value.code
+    assert error.value.code.startswith(f"python -m ds_kfac.plan: {message.format(path=path)}"), error.value.code
+
+
+MODEL_FILES = {
+    "list": ([1, 2], "not a BertConfig JSON (an object with hidden_size, num_hidden_layers...)"),
+    "string": ("bert-tiny", "not a BertConfig JSON (an object with hidden_size, num_hidden_layers...)"),
+    "key_kind": (
+        {"hidden_size": "x", "num_hidden_layers": 1},
+        "the model's BertConfig keys cannot build BertForPreTraining: Validation error for field 'hidden_size'",
+    ),
+    "heads": (
+        {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 3, "intermediate_size": 32},
+        "cannot build BertForPreTraining: The hidden size (16) is not a multiple of the number of attention heads (3)",
+    ),
+    "negative": (
+        {"hidden_size": -16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32},
+        "cannot build BertForPreTraining: Trying to create tensor with negative dimension -16",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_FILES))
+def test_a_model_file_that_builds_no_bert_is_named(tmp_path: Path, bert_tiny: Path, case: str) -> None:
+    """``--model`` a JSON file whose top level is not an object, or whose keys transformers or torch refuse: one line
+    (before: transformers' validation error and torch's RuntimeError as tracebacks)."""
+    keys, message = MODEL_FILES[case]
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(keys))
+    with pytest.raises(SystemExit) as error:
+        main(["--deepspeed_config", str(bert_tiny), "--world", "4", "--model", str(model)])
+    assert isinstance(error.value.code, str) and "\n" not in error.value.code
+    assert message in error.value.code, error.value.code

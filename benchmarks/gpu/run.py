@@ -339,6 +339,8 @@ def step_cost_runs(device: str, tiny: bool, timeout: float) -> dict[str, list[st
             *cadence,
             "--set",
             'basis_update="exact"',
+            "--set",
+            "basis_keep_drift=0.0",  # the exact mode keeps no basis
             *unspread,
             "--ga",
             "8",

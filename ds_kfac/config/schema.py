@@ -106,6 +106,21 @@ SCHEDULED: dict[str, Range] = {
 }
 """The keys that may be schedules, and the range of their values (constants, schedule values, callables' results)."""
 
+MOMENTS_DEFAULTS: dict[str, Any] = {
+    "kl_clip": None,
+    "basis_update": "subspace",
+    "basis_keep_drift": 0.1,
+    "refresh_spread": True,
+}
+"""The defaults of keys left out with ``eigenbasis_moments`` (docs/config.md, "Eigenbasis moments"): no KL clip (the
+step is Adam's normalised direction), and the refresh measured cheapest with the key (``benchmarks/refresh_cost.py``):
+warm-started bases, each kept where it drifted by at most 0.1 (no moments to move), refreshes spread over the cycle.
+Without the key, a refresh is a full ``eigh`` (``P(g)`` is then the documented preconditioner of the step's factors),
+all at the cycle's first step. The last three apply where ``basis_update`` is left out or ``"subspace"``
+(``"exact"``, the mode in which 2 ranks equal one process, keeps every refresh at the cycle's first step: spread
+slots depend on the placement); ``refresh_spread`` keeps ``false`` with adaptive or background decompositions, and
+``basis_keep_drift`` ``0`` with a ``basis_max_drift`` below 0.1."""
+
 
 class KFACConfig(BaseModel):
     """Validated K-FAC settings. Defaults are listed in docs/config.md."""
@@ -130,7 +145,7 @@ class KFACConfig(BaseModel):
     fisher: Literal["empirical", "sampled"] = "empirical"
     batchnorm: Literal["none", "unit-wise"] = "none"
     eigenbasis_moments: bool = False
-    basis_update: Literal["subspace", "eigh", "exact"] = "subspace"
+    basis_update: Literal["subspace", "eigh", "exact"] = "eigh"
     basis_max_drift: _number(FRACTION) = 0.5
     basis_keep_drift: _number(UNIT) = 0.0
     eigenbasis_max_dim: Optional[_number(POSITIVE_INTEGER)] = None
@@ -174,7 +189,13 @@ class KFACConfig(BaseModel):
     @field_validator("basis_keep_drift")
     @classmethod
     def _keep_below_full(cls, v: float, info: ValidationInfo) -> float:
-        # Declared after basis_max_drift, so it is in info.data when it is valid.
+        # Declared after basis_update and basis_max_drift, so they are in info.data when they are valid.
+        mode = info.data.get("basis_update")
+        if v > 0 and mode not in (None, "subspace"):
+            raise ValueError(
+                f"{v!r} needs basis_update 'subspace', this config has {mode!r} (a full decomposition at every "
+                f"refresh keeps no basis)"
+            )
         most = info.data.get("basis_max_drift")
         if most is not None and v > most:
             raise ValueError(
@@ -247,11 +268,20 @@ class KFACConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _moments_default_no_kl_clip(cls, data: Any) -> Any:
-        """With ``eigenbasis_moments`` the KL clip is off by default (a value given for it is refused)."""
-        if isinstance(data, dict) and data.get("eigenbasis_moments") is True and "kl_clip" not in data:
-            return {**data, "kl_clip": None}
-        return data
+    def _moments_defaults(cls, data: Any) -> Any:
+        """With ``eigenbasis_moments``, the keys left out take :data:`MOMENTS_DEFAULTS` where the keys given allow
+        them (a value given for ``kl_clip`` is refused)."""
+        if not isinstance(data, dict) or data.get("eigenbasis_moments") is not True:
+            return data
+        if data.get("basis_update", "subspace") != "subspace":
+            return {"kl_clip": None, **data}  # another refresh asked for: the cheap one's settings do not apply
+        defaults = dict(MOMENTS_DEFAULTS)
+        if data.get("inv_update_steps") == "adaptive" or data.get("async_decompositions") is True:
+            del defaults["refresh_spread"]  # both exclude spreading (refused when given)
+        most = data.get("basis_max_drift")
+        if isinstance(most, (int, float)) and not isinstance(most, bool) and most < defaults["basis_keep_drift"]:
+            del defaults["basis_keep_drift"]  # a side kept at most basis_max_drift (refused when given above it)
+        return {**defaults, **data}
 
     @field_validator("skip_layers")
     @classmethod

@@ -173,6 +173,11 @@ class EigenDecomposition(Decomposition):
         return state[0], state[2]
 
     @staticmethod
+    def spectra(state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eigenvalues ``(v_A, v_G)`` of a state."""
+        return state[1], state[3]
+
+    @staticmethod
     def eigenvalues(state: State) -> torch.Tensor:
         """The Kronecker eigenvalues ``v_G v_A^T`` (``d_G x d_A``, or a stack) of a state, as a new tensor."""
         _, va, _, vg = state

@@ -69,6 +69,10 @@ class OneSidedEigen(Decomposition):
         """``(Q_A, Q_G)``, ``None`` for the side left in the parameter basis (a stacked state gives stacks)."""
         return (state[0], None) if self.side == "A" else (None, state[0])
 
+    def spectra(self, state: State) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(v_A, v_G)``, ``None`` for the side left in the parameter basis."""
+        return (state[1], None) if self.side == "A" else (None, state[1])
+
     def precondition(
         self,
         state: State,

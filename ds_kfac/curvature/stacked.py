@@ -112,7 +112,9 @@ class StackedStates:
                 rounding = method.basis_rounding  # the "exact" mode flushes rounding in the eigenbasis
                 if rounding is not None:
                     rounding = max(rounding, torch.finfo(compute_dtype(grads[positions[0]].dtype)).eps)
-                result = eigenbasis_directions(*method.basis(state), stacked, held, moments, rounding)
+                result = eigenbasis_directions(
+                    *method.basis(state), stacked, held, moments, rounding, method.spectra(state)
+                )
             else:
                 result = self._precondition_group(group, method, stacked, damping, _scaling(blocks, positions), graft)
             for j, i in enumerate(positions):

@@ -43,6 +43,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..config import KFACConfig
+from ..config.json_values import json_object
 from ..easgd import EASGDConfig
 from .easgd import EASGDEngine, KFACEASGDEngine
 from .easgd import refuse_unsupported as refuse_easgd_unsupported
@@ -50,7 +51,7 @@ from .engine import KFACEngine
 from .extensions import refuse_stale_build_locks
 from .optimizer_setup import clipping_to_engine, setup_optimizer
 from .pipeline import KFACPipelineEngine
-from .refusals import refuse_unsupported
+from .refusals import optimized_parameters, refuse_unsupported
 
 VERIFIED_DEEPSPEED = SpecifierSet("==0.19.8")
 """The DeepSpeed versions whose internals ds_kfac reads (docs/maintainers.md) were checked on; setup.py's
@@ -115,7 +116,9 @@ def _config_dict(args: Any, config: Union[str, dict, None], config_params: Union
     config = config if config is not None else from_args
     if config is None:
         raise ValueError("no DeepSpeed config: pass config= (a dict or a JSON path) or --deepspeed_config")
-    return copy.deepcopy(config) if isinstance(config, dict) else load_ds_config(config)
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    return json_object(load_ds_config(config), f"the DeepSpeed config {config}")
 
 
 def kfac_near_misses(keys: Iterable[Any]) -> list[str]:
@@ -201,6 +204,8 @@ def initialize(
         raise ValueError("ds_kfac.initialize requires a model")
     check_deepspeed_version(deepspeed.__version__)
     config = _config_dict(args, config, config_params)
+    if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+        model_parameters = list(model_parameters)  # read by ds_kfac's JSON optimizer, its checks and DeepSpeed
     if "kfac" not in config:
         _warn_near_misses(config)
     kfac_section = config.pop("kfac", None)
@@ -282,7 +287,10 @@ def _initialize_kfac(
         config_class = DeepSpeedConfig(config, engine_mpu)
         if "kfac_config" in engine_kwargs:
             mpu_problems = _refuse_mpu(mpu, config_class.zero_optimization_stage)
-            refuse_unsupported(config_class, config, engine_kwargs["kfac_config"], model, mpu, mesh_param, mpu_problems)
+            optimized = optimized_parameters(engine_args["optimizer"], engine_args["model_parameters"])
+            refuse_unsupported(
+                config_class, config, engine_kwargs["kfac_config"], model, mpu, mesh_param, mpu_problems, optimized
+            )
         if "easgd_config" in engine_kwargs:
             kfac_section = kfac_section if "kfac_config" in engine_kwargs else None
             refuse_easgd_unsupported(config_class, config, model, mpu, kfac_section)

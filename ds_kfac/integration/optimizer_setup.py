@@ -28,6 +28,7 @@ from deepspeed.runtime.config import get_gradient_clipping
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
 
 from ..config import KFACConfig, KFACConfigError
+from ..config.json_values import json_object, json_value
 from ..optimizers import build_optimizer, split_groups
 from ..optimizers.muon import build_muon
 from ..preconditioning.build import moment_rule, preconditioned_parameters
@@ -64,16 +65,38 @@ def engine_device(model: torch.nn.Module) -> Optional[torch.device]:
     return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
 
 
-def refuse_flat_muon(config: dict) -> None:
-    """A JSON ``Muon`` optimizer with ``eigenbasis_moments`` (ds_kfac's :mod:`~ds_kfac.optimizers.muon`)
+def refuse_muon(config: dict, kfac_config: KFACConfig, has_layers: bool = True) -> None:
+    """A JSON ``Muon`` optimizer with K-FAC (``has_layers``: K-FAC registers some layer of the model) runs only with
+    ``eigenbasis_moments``: without the key, DeepSpeed's Muon would take K-FAC's layers among its matrices and
+    orthogonalise their preconditioned gradients. With it (ds_kfac's :mod:`~ds_kfac.optimizers.muon`), Muon
     orthogonalises each matrix as the model holds it, so it runs where the optimizer steps the model's own
-    parameters (ZeRO stage 0, fp32), not flat partitions: refused otherwise, naming what the config has. Also read
+    parameters (ZeRO stage 0, fp32), not flat partitions. Refused otherwise, naming what the config has. Also read
     by the planner, which plans only what launches."""
     section = config.get("optimizer")
-    if not isinstance(section, dict) or str(section.get("type", "")).lower() != "muon":
+    if not (kfac_config.enabled and has_layers) or not isinstance(section, dict):
         return
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    low = [key for key in ("fp16", "bf16") if config.get(key, {}).get("enabled", False)]
+    if str(section.get("type", "")).lower() != "muon":
+        return
+    if not kfac_config.eigenbasis_moments:
+        raise KFACConfigError(
+            "optimizer type 'Muon' with K-FAC needs kfac.eigenbasis_moments: true: without it DeepSpeed's Muon takes "
+            "K-FAC's layers among its matrices and orthogonalises their preconditioned gradients (Newton-Schulz "
+            "keeps only the polar factor, so K-FAC's rescaling is lost); set the key (K-FAC's layers then take Adam "
+            "in their eigenbasis, the other matrices Muon), or use another optimizer type"
+        )
+    where = "the DeepSpeed config"
+    stage = json_value(
+        json_object(config.get("zero_optimization", {}), where, "zero_optimization"),
+        "zero_optimization.stage",
+        int,
+        0,
+        where,
+    )
+    low = [
+        key
+        for key in ("fp16", "bf16")
+        if json_value(json_object(config.get(key, {}), where, key), f"{key}.enabled", bool, False, where)
+    ]
     if stage > 0 or low:
         given = f"ZeRO stage {stage}" + "".join(f", {key}" for key in low)
         raise KFACConfigError(
@@ -105,8 +128,12 @@ def optimizer_from_json(
     """Build a JSON ``Lamb``/``SGD`` optimizer ourselves and take it out of the config; with
     ``eigenbasis_moments``, a ``Lamb``/``Adam``/``AdamW`` one whose K-FAC layers' parameters are flagged groups."""
     section = config.get("optimizer")
+    if section is not None:
+        json_object(section, "the DeepSpeed config", "optimizer")
+        json_object(section.get("params", {}), "the DeepSpeed config", "optimizer.params")
     kind = str(section.get("type", "")).lower() if isinstance(section, dict) else None
     moments = kfac_config.enabled and kfac_config.eigenbasis_moments
+    refuse_muon(config, kfac_config, has_layers=bool(preconditioned_parameters(model, kfac_config)))
     if moments and kind not in EIGENBASIS_OPTIMIZERS:
         given = "no JSON optimizer" if kind is None else f"optimizer type {section.get('type')!r}"
         raise KFACConfigError(
@@ -128,13 +155,14 @@ def optimizer_from_json(
     if moments:
         params = split_groups(params, preconditioned_parameters(model, kfac_config))
     if kind == "muon":
-        refuse_flat_muon(config)
         names = {id(p): name for name, p in model.named_parameters()}
         optimizer = build_muon(params, names, section.get("params", {}))
     else:
         optimizer = build_optimizer(section["type"], params, section.get("params", {}), engine_device(model))
     del config["optimizer"]
-    stage = config.get("zero_optimization", {}).get("stage", 0)
+    where = "the DeepSpeed config"
+    zero = json_object(config.get("zero_optimization", {}), where, "zero_optimization")
+    stage = json_value(zero, "zero_optimization.stage", int, 0, where)
     if stage > 0 and not is_zero_supported_optimizer(optimizer):
         # ZeRO asks for this flag for any optimizer outside its tested list.
         config["zero_allow_untested_optimizer"] = True

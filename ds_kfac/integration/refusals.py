@@ -4,7 +4,7 @@ before any engine is built, names every such part in one error."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 from deepspeed import comm as ds_comm
@@ -14,6 +14,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from ..config import KFACConfig, KFACConfigError
 from ..placement import workers_per_layer
+from ..preconditioning.build import preconditioned_parameters
 
 
 def refuse_unsupported(
@@ -24,9 +25,11 @@ def refuse_unsupported(
     mpu: Any,
     mesh_param: Any,
     mpu_problems: list[str],
+    optimized: Optional[set[int]] = None,
 ) -> None:
     """One error naming every part of the DeepSpeed setup K-FAC does not support yet (``mpu_problems``: those of
-    the model-parallel ``mpu``, ``initialize._refuse_mpu``'s)."""
+    the model-parallel ``mpu``, ``initialize._refuse_mpu``'s; ``optimized``: the ids of the parameters the base
+    optimizer steps, :func:`optimized_parameters`)."""
     stage = cfg.zero_optimization_stage
     offload = [
         name
@@ -51,6 +54,14 @@ def refuse_unsupported(
                 'kfac.fisher="sampled" at ZeRO stage 3 (the sampled backward pass would run through ZeRO 3\'s '
                 "parameter-gathering autograd functions, outside DeepSpeed's backward; use ZeRO stage 0-2)"
             )
+    left_out = _layer_parameters_left_out(model, kfac_config, optimized) if stage > 0 else []
+    if left_out:
+        problems.append(
+            f"parameters of K-FAC's layers that are not in the optimizer at ZeRO stage {stage}: {', '.join(left_out)} "
+            f"(ZeRO reduces and partitions only the gradients of the optimizer's parameters, so K-FAC would find "
+            f"none of theirs; at stage 0 they would stay unchanged): pass them to the optimizer, freeze them "
+            f"(requires_grad=False), or name their layers in kfac.skip_layers"
+        )
     if offload:
         problems.append(f"ZeRO {' and '.join(offload)}")
     if cfg.float16_config.enabled and stage == 0:
@@ -93,6 +104,36 @@ def refuse_unsupported(
         problems.append("hybrid_engine.enabled=true (DeepSpeedHybridEngine, RLHF generation)")
     if problems:
         raise KFACConfigError("K-FAC does not support yet: " + "; ".join(problems))
+
+
+def optimized_parameters(optimizer: Any, model_parameters: Optional[Sequence[Any]]) -> Optional[set[int]]:
+    """The ids of the parameters the engine's base optimizer will step: a built optimizer's param groups', or, for
+    the one DeepSpeed builds from the JSON, those of ``model_parameters`` (tensors or param-group dicts); ``None``
+    where that is not known before the engine exists (an optimizer factory, or no ``model_parameters``: DeepSpeed
+    then takes the model's)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups: Sequence[Any] = optimizer.param_groups
+    elif optimizer is None and model_parameters is not None:
+        groups = model_parameters
+    else:
+        return None
+    ids = set()
+    for item in groups:
+        members = item["params"] if isinstance(item, dict) else item
+        ids.update(id(p) for p in ([members] if isinstance(members, torch.Tensor) else members))
+    return ids
+
+
+def _layer_parameters_left_out(
+    model: torch.nn.Module, kfac_config: KFACConfig, optimized: Optional[set[int]]
+) -> list[str]:
+    """The names of the trainable parameters of K-FAC's layers that are not in ``optimized`` (none when it is not
+    known)."""
+    if optimized is None:
+        return []
+    names = {id(p): name for name, p in model.named_parameters()}
+    layers = preconditioned_parameters(model, kfac_config)
+    return [names[id(p)] for p in layers if p.requires_grad and id(p) not in optimized]
 
 
 def _pipeline_problems(cfg: DeepSpeedConfig, model: PipelineModule, mpu: Any) -> list[str]:

@@ -11,7 +11,8 @@ from typing import Any, Union
 import torch
 
 from ..config import KFACConfig, KFACConfigError
-from ..integration.optimizer_setup import raw_gradient_clipping, refuse_flat_muon
+from ..config.json_values import json_object, json_value
+from ..integration.optimizer_setup import raw_gradient_clipping, refuse_muon
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Job:
 
 def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
     """The job a DeepSpeed config (a JSON file or its dict) describes at ``world`` data-parallel ranks; a
-    :class:`~ds_kfac.KFACConfigError` or ``ValueError`` names what is wrong with it."""
+    :class:`~ds_kfac.KFACConfigError` or ``ValueError`` names what is wrong with it (a section or key of the wrong
+    JSON kind included: :mod:`~ds_kfac.config.json_values`)."""
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"--world must be a positive number of data-parallel ranks, got {world!r}")
     where = "the DeepSpeed config"
@@ -53,28 +55,37 @@ def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
             config = json.loads(Path(config).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read the DeepSpeed config {where}: {err}") from None
-    section = config.get("kfac")
-    if not isinstance(section, dict):
+        json_object(config, f"the DeepSpeed config {where}")
+    zero = json_object(config.get("zero_optimization", {}), where, "zero_optimization")
+    stage = json_value(zero, "zero_optimization.stage", int, 0, where)
+    half = [
+        name
+        for name, key in (("float16", "fp16"), ("bfloat16", "bf16"))
+        if json_value(json_object(config.get(key, {}), where, key), f"{key}.enabled", bool, False, where)
+    ]
+    json_value(config, "gradient_clipping", (int, float), None, where)
+    optimizer = json_object(config.get("optimizer", {}), where, "optimizer")
+    json_value(optimizer, "optimizer.type", str, None, where)
+    bert = json_object(config.get("bert", {}), where, "bert")
+    for key, kind in (("model", str), ("vocab_size", int), ("max_seq_length", int)):
+        json_value(bert, f"bert.{key}", kind, None, where)
+    if config.get("kfac") is None:
         raise KFACConfigError(f'{where} has no "kfac" section: there is nothing to plan (K-FAC is off without one)')
+    section = config["kfac"]
     kfac = KFACConfig.parse(section)
     if not kfac.enabled:
         raise KFACConfigError(f'{where}: "kfac" has "enabled": false, so K-FAC holds and sends nothing')
-    if kfac.eigenbasis_moments:
-        refuse_flat_muon(config)
-    zero = config.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
+    refuse_muon(config, kfac)
     if stage not in (0, 1, 2):
         raise ValueError(
             f"{where}: zero_optimization.stage={stage!r}; the planner models ZeRO stages 0, 1 and 2 (stage 3's "
             f"traffic, two all-to-alls of every layer's gradient per step, is in docs/placement.md)"
         )
-    if zero.get("round_robin_gradients", False):
+    if json_value(zero, "zero_optimization.round_robin_gradients", bool, False, where):
         raise ValueError(
             f"{where}: zero_optimization.round_robin_gradients=true reorders ZeRO's partitions; not planned"
         )
     micro, accumulation = _batch(config, world, where)
-    half = [name for name, key in (("float16", "fp16"), ("bfloat16", "bf16")) if config.get(key, {}).get("enabled")]
-    clipping = raw_gradient_clipping(config)
     return Job(
         section=section,
         kfac=kfac,
@@ -83,18 +94,19 @@ def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
         micro_batch=micro,
         accumulation=accumulation,
         param_dtype=getattr(torch, half[0]) if half else torch.float32,
-        raw_clipping=float(clipping) if kfac.eigenbasis_moments else 0.0,
-        parameter_alignment=bool(zero.get("parameter_alignment", False)),
-        bert=config.get("bert", {}),
+        raw_clipping=float(raw_gradient_clipping(config)) if kfac.eigenbasis_moments else 0.0,
+        parameter_alignment=json_value(zero, "zero_optimization.parameter_alignment", bool, False, where),
+        bert=bert,
     )
 
 
 def _batch(config: dict[str, Any], world: int, where: str) -> tuple[int, int]:
     """The micro-batch per rank and the accumulation steps, completed from ``train_batch_size`` as DeepSpeed does
     (``train_batch_size = micro-batch x accumulation x world``)."""
-    total = config.get("train_batch_size")
-    micro = config.get("train_micro_batch_size_per_gpu")
-    accumulation = config.get("gradient_accumulation_steps")
+    total, micro, accumulation = (
+        json_value(config, key, int, None, where)
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    )
     if total is not None and micro is None:
         micro = total // ((accumulation or 1) * world)
     if accumulation is None:

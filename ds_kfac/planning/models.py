@@ -61,8 +61,12 @@ def bert_on_meta(keys: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]]]
     param groups as ``examples/bert/pretrain.py`` passes them."""
     from transformers import BertConfig, BertForPreTraining
 
-    with torch.device("meta"):
-        model = BertForPreTraining(BertConfig(**keys))
+    try:
+        with torch.device("meta"):
+            model = BertForPreTraining(BertConfig(**keys))
+    except Exception as err:  # noqa: BLE001 (transformers' and torch's refusals of the keys, named in one line)
+        reason = " ".join(str(err).split())
+        raise ValueError(f"the model's BertConfig keys cannot build BertForPreTraining: {reason}") from None
     named = list(model.named_parameters())
     no_decay = [p for n, p in named if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in named if not (n.endswith("bias") or "LayerNorm" in n)]

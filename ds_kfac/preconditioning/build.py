@@ -47,8 +47,13 @@ def checked_config(
     if isinstance(config, KFACConfig):
         if keys:
             raise KFACConfigError("pass either a KFACConfig or keyword keys, not both")
-    else:
+    elif config is None or isinstance(config, dict):
         config = KFACConfig.parse({**(config or {}), **keys}, where="KFACPreconditioner")
+    else:
+        raise KFACConfigError(
+            f'KFACPreconditioner(config=...) must be a dict of the "kfac" keys or a KFACConfig, got '
+            f"{type(config).__name__}: {config!r}"[:200]
+        )
     if config.kl_clip is not None and optimizer is None and lr is None:
         raise KFACConfigError("kl_clip needs the learning rate: pass optimizer= or lr= (or set kl_clip=None)")
     if accumulation_steps < 1:

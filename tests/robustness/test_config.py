@@ -192,6 +192,9 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "basis_keep_drift": [(0, 0.0), (0.5, 0.5)],
     "refresh_spread": [(True, True), (False, False)],
 }
+RIGHT_TYPE_CONTEXT = {"basis_keep_drift": {"basis_update": "subspace"}}
+"""The keys another key's value must accompany for a right type to be accepted (a kept basis needs the subspace
+refresh)."""
 
 
 def test_types_are_strict_for_every_key() -> None:
@@ -215,7 +218,7 @@ def test_types_are_strict_for_every_key() -> None:
     assert accepted == []
     for key, pairs in RIGHT_TYPES.items():
         for value, stored in pairs:
-            got = getattr(KFACConfig.parse({key: value}), key)
+            got = getattr(KFACConfig.parse({**RIGHT_TYPE_CONTEXT.get(key, {}), key: value}), key)
             assert got == stored and type(got) is type(stored), (key, value, got)
 
 

@@ -58,6 +58,13 @@ def make_layernorm_model() -> nn.Module:
     )
 
 
+def make_narrow_layernorm_model() -> nn.Module:
+    """:func:`make_layernorm_model` 8 wide: at 4 examples a rank every factor but the first ``A`` has a null space, and
+    at 8 a step the last layer's 9-wide ``A`` still has one (issue 62, item 1)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, OUT))
+
+
 class TiedModel(nn.Module):
     """A token embedding tied to a vocabulary-wide decoder, as BERT's word embeddings and MLM decoder, then a head.
 
@@ -82,6 +89,20 @@ class TiedModel(nn.Module):
         return self.last(torch.tanh(self.decoder(h)))
 
 
+CONV_SIDE = 7
+"""The side of :func:`make_conv_model`'s square inputs: a 3 x 3 kernel at stride 2 leaves 3 x 3 positions."""
+
+
+def make_conv_model() -> nn.Module:
+    """A Conv2d (2 -> 4 channels, 3 x 3, stride 2) under two Linear layers: at 8 examples a step the convolution's
+    19-wide ``A`` has 72 rows, the first Linear's 37-wide ``A`` 8, so its first decomposition has a null space whose
+    basis rounding picks (issue 62, item 0)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(36, 16), nn.Tanh(), nn.Linear(16, OUT)
+    )
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     """Whether ``model`` normalizes over its batch: a single-process reference must then run each rank's rows apart."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -93,7 +114,9 @@ MODELS = {
     "shared": SharedLayer,
     "batchnorm": make_batchnorm_model,
     "layernorm": make_layernorm_model,
+    "narrow_layernorm": make_narrow_layernorm_model,
     "tied": TiedModel,
+    "conv": make_conv_model,
 }
 
 
@@ -115,11 +138,19 @@ def make_optimizer(model: nn.Module, kfac: dict) -> torch.optim.Optimizer:
     return Adam(split_groups(param_groups(model), layers), lr=0.02, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
 
 
+def _example_shape(model: nn.Module | None) -> tuple[int, ...]:
+    """One input example's shape: that of the first layer of a ``Sequential``, else ``IN`` features."""
+    first = model[0] if isinstance(model, nn.Sequential) else None
+    if isinstance(first, nn.Conv2d):
+        return (first.in_channels, CONV_SIDE, CONV_SIDE)
+    return (first.in_features,) if isinstance(first, nn.Linear) else (IN,)
+
+
 def global_batch(step: int, size: int, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of optimizer step ``step``: the same on every rank and world size."""
-    first, last = (model[0].in_features, model[-1].out_features) if isinstance(model, nn.Sequential) else (IN, OUT)
+    last = model[-1].out_features if isinstance(model, nn.Sequential) else OUT
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(size, first, generator=g), torch.randn(size, last, generator=g)
+    return torch.randn(size, *_example_shape(model), generator=g), torch.randn(size, last, generator=g)
 
 
 def sampling_generator(step: int, micro_batch: int, rank: int) -> torch.Generator:
