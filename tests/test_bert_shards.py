@@ -76,6 +76,15 @@ def test_pair_order_is_the_same_global_batch_at_every_world_size() -> None:
         loading.PairOrder(31, 8, 2, 2, 0, seed)
 
 
+def test_held_out_keys_take_the_front_of_every_shard() -> None:
+    """Evaluation scores pairs from the front of every shard, as evenly as the shards allow: one shard gives its first
+    pairs; shards too small for their share leave it to the others; never more than there are."""
+    assert loading.held_out_keys(np.array([0, 100]), 10, 4) == [(0, (0, 1, 2, 3)), (0, (4, 5, 6, 7)), (0, (8, 9))]
+    keys = loading.held_out_keys(np.array([0, 50, 52, 52, 90]), 12, 6)
+    assert keys == [(0, (0, 1, 2, 3, 4, 50)), (0, (51, 52, 53, 54, 55, 56))]
+    assert [i for _, batch in loading.held_out_keys(np.array([0, 2, 3]), 10, 8) for i in batch] == [0, 1, 2]
+
+
 # --------------------------------------------------------------------------- pieces of a corpus
 
 
@@ -182,6 +191,24 @@ def test_preparation_is_the_same_with_two_workers(corpus_dir: Path, prepared: Pa
     assert _prepare(corpus_dir, tmp_path / "two", workers=2) == manifest
     assert _prepare(corpus_dir, tmp_path / "seed1", seed=1)["text_digest"] == manifest["text_digest"]
     assert json.loads((tmp_path / "seed1" / shards.MANIFEST).read_text())["digest"] != manifest["digest"]
+
+
+def test_one_piece_is_split_and_paired_as_in_memory(tmp_path: Path) -> None:
+    """A corpus of one piece (the embedded ones) is prepared as the in-memory functions build it with the seed:
+    ``data.split_documents`` (held-out documents), ``data.train_tokenizer`` on the training documents, and
+    ``data.build_examples`` of each split (training pairs with the seed, held-out ones with the seed plus one)."""
+    documents = data.stdlib_corpus()[:600]
+    source = prepare.Source(sources.document_pieces(documents, 1 << 30), {"test": 1}, tmp_path)
+    settings = prepare.Settings(SEQ, held_out_fraction=0.05, seed=3)
+    prepare.prepare(source, tmp_path / "shards", settings, 600, progress=False)
+    opened = shards.ShardSet.open(tmp_path / "shards")
+    train, held = data.split_documents(documents, 0.05, seed=3)
+    tokenizer = data.train_tokenizer(train, 600)
+    assert opened.tokenizer().backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
+    for split, docs, seed in (("train", train, 3), ("held_out", held, 4)):
+        examples = data.build_examples(docs, tokenizer, SEQ, seed=seed)
+        assert opened.size(split) == len(examples) > 10
+        assert [opened.example(split, i, 2, 3) for i in range(len(examples))] == examples
 
 
 def test_shards_hold_the_corpus_pairs_and_keep_held_out_text_out(corpus_dir: Path, prepared: Path) -> None:

@@ -108,10 +108,18 @@ class ShardBatches(Dataset):
         return data.collate_arrays([self.item(epoch, index) for index in indices], self.vocab.pad_id)
 
 
-def held_out_keys(size: int, count: int, micro: int, data_seed: int) -> list[Key]:
-    """The held-out micro-batches evaluated: ``count`` pairs drawn over all shards (a permutation keyed by the data
-    seed, so every run of a corpus is scored on the same pairs), masked as epoch 0."""
-    chosen = permute(np.arange(min(count, size)), size, f"held-out:{data_seed}").tolist()
+def held_out_keys(starts: np.ndarray, count: int, micro: int) -> list[Key]:
+    """The held-out micro-batches evaluated, masked as epoch 0: ``count`` pairs taken from the front of every shard
+    (``starts``: each shard's first global index, and the total), as evenly as the shards' sizes allow, so that a
+    corpus's every piece is scored (one shard: its first ``count`` pairs). The same for every run of a corpus."""
+    sizes = np.diff(starts)
+    share = np.zeros_like(sizes)
+    left = min(count, int(sizes.sum()))
+    while left:  # one more pair from each shard that has one, in shard order, until enough
+        more = (share < sizes) & (np.cumsum(share < sizes) <= left)
+        share += more
+        left -= int(more.sum())
+    chosen = [int(start) + k for start, n in zip(starts[:-1], share) for k in range(n)]
     return [(0, tuple(chosen[j : j + micro])) for j in range(0, len(chosen), micro)]
 
 

@@ -48,6 +48,8 @@ import recipe  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
 
+PIECE_SEED_STRIDE = 1_000_003
+"""Between two pieces' seeds (:func:`piece_seed`)."""
 PIECE_BYTES = 32_000_000
 """Text per shard by default (``--shard-mb``): a worker holds one piece's text, documents and ids at a time."""
 VERSIONED = ("numpy", "tokenizers", "transformers")
@@ -114,9 +116,17 @@ def _backend(path: str) -> Tokenizer:
     return Tokenizer.from_file(path)
 
 
+def piece_seed(seed: int, index: int) -> int:
+    """The seed of piece ``index``'s draws (held-out split, training pairs; held-out pairs take it plus one): the
+    preparation's seed itself for the first piece, so a corpus of one piece is split and paired as
+    :func:`data.split_documents` and :func:`data.build_examples` do with that seed."""
+    return seed + PIECE_SEED_STRIDE * index
+
+
 def split_piece(documents: list[data.Document], settings: Settings, index: int) -> tuple[list, list]:
-    """A piece's (training, held-out) documents: by document, seeded by the preparation's seed and the piece."""
-    return data.split_documents(documents, settings.held_out_fraction, seed=f"{settings.seed}:{index}", minimum=2)
+    """A piece's (training, held-out) documents: by document, seeded by :func:`piece_seed`."""
+    seed = piece_seed(settings.seed, index)
+    return data.split_documents(documents, settings.held_out_fraction, seed=seed, minimum=2)
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,7 @@ def prepare_shard(job: Job) -> dict[str, Any]:
 
 
 def _rng(job: Job, split: str) -> random.Random:
-    return random.Random(f"{job.identity['settings']['seed']}:{job.piece.index}:{split}")
+    return random.Random(piece_seed(job.identity["settings"]["seed"], job.piece.index) + (split == "held_out"))
 
 
 def _worker_start() -> None:

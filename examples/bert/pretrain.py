@@ -125,8 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-seed",
         type=int,
         default=0,
-        help="the embedded corpus's preparation (held-out split, tokenizer, sentence pairs) and which held-out pairs "
-        "are scored (fixed across --seed)",
+        help="the embedded corpus's preparation: held-out split, tokenizer sample, sentence pairs (fixed across --seed)",
     )
     parser.add_argument("--loader-workers", type=int, default=1, help="processes reading and collating micro-batches")
     parser.add_argument("--prefetch", type=int, default=4, help="micro-batches each loader worker makes ahead")
@@ -236,7 +235,7 @@ class ShardSource:
         vocab, cls_id, sep_id = data.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
         train = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.seed, "train")
         held = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.data_seed + 1, "held_out")
-        keys = loading.held_out_keys(self.shards.size("held_out"), args.eval_batches * micro, micro, args.data_seed)
+        keys = loading.held_out_keys(self.shards.starts["held_out"], args.eval_batches * micro, micro)
         order = loading.PairOrder(len(self.shards), micro, accum, dist.get_world_size(), dist.get_rank(), args.seed)
         return train, order, [loading.tensors(held[key]) for key in keys]
 
