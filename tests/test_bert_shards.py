@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 transformers = pytest.importorskip("transformers")
@@ -32,17 +33,20 @@ SEQ = 64
 # --------------------------------------------------------------------------- the sample order
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 65, 1000, 4097])
-def test_permute_is_a_bijection_keyed_by_its_key(n: int) -> None:
-    everything = loading.permute(np.arange(n), n, "0:0")
-    assert sorted(everything.tolist()) == list(range(n))
-    some = np.array([n - 1, 0, n // 2])
-    assert loading.permute(some, n, "0:0").tolist() == everything[some].tolist()  # a function of the position alone
-    if n >= 64:
-        other = loading.permute(np.arange(n), n, "0:1")
-        assert (other != everything).mean() > 0.9 and (everything != np.arange(n)).mean() > 0.9
-    with pytest.raises(ValueError, match="must lie in"):
-        loading.permute(np.array([n]), n, "0:0")
+def test_pair_order_is_the_examples_recorded_order() -> None:
+    """Each step's micro-batches are what the example has always drawn, written here as it was: the epoch's
+    ``torch.randperm`` (seed ``seed * 7919 + epoch``), the step's slice laid out as (accumulation, rank, micro-batch)
+    (and in int32, the same permutation as in int64)."""
+    count, micro, accum, world, seed = 1000, 8, 2, 2, 3
+    orders = [loading.PairOrder(count, micro, accum, world, rank, seed) for rank in range(world)]
+    global_batch = micro * accum * world
+    for step in (0, 1, 30, 31, 62, 100):
+        epoch, position = divmod(step, count // global_batch)
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        rows = order[position * global_batch : (position + 1) * global_batch].view(accum, world, micro)
+        for rank in range(world):
+            assert orders[rank].step(step) == [(epoch, tuple(rows[m, rank].tolist())) for m in range(accum)]
+    assert loading.epoch_order(count, 5).dtype == np.int32
 
 
 def test_pair_order_is_the_same_global_batch_at_every_world_size() -> None:

@@ -1,17 +1,18 @@
 """Training batches from prepared shards: the sample order, the micro-batches a rank trains on, the loader workers.
 
-The order of an epoch is a pseudorandom permutation of the global pair indices, evaluated per position
-(:func:`permute`, a keyed Feistel network): nothing of the size of the corpus is ever built. Step ``s`` of epoch
-``s // steps_per_epoch`` takes the next global batch of positions, laid out as (accumulation, rank, micro-batch)
-(:class:`PairOrder`), so a micro-batch's pairs are a function of (seed, step, rank) and the global batch of a step a
-function of (seed, step) alone: ``--resume`` continues exactly, and a resume at another world size with the same
-global batch trains on the same pairs in every step. Reading, masking and collation run in ``DataLoader`` workers
-that prefetch whole micro-batches (:func:`loader`), so the step does not wait on data.
+The order of an epoch is ``torch.randperm`` of the global pair indices from a generator seeded ``seed * 7919 +
+epoch`` (:func:`epoch_order`: the order this example has always drawn, so its recorded runs are reproduced), held as
+int32 while the epoch lasts: 4 bytes a training pair, the one thing a rank holds that grows with the corpus (48 MB
+at 12.1 million pairs; PyTorch's ``DistributedSampler`` holds a Python list of them, about 36 bytes a pair). Step
+``s`` of epoch ``s // steps_per_epoch`` takes the next global batch of positions, laid out as (accumulation, rank,
+micro-batch) (:class:`PairOrder`), so a micro-batch's pairs are a function of (seed, step, rank) and the global batch
+of a step a function of (seed, step) alone: ``--resume`` continues exactly, and a resume at another world size with
+the same global batch trains on the same pairs in every step. Reading, masking and collation run in ``DataLoader``
+workers that prefetch whole micro-batches (:func:`loader`), so the step does not wait on data.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,41 +24,18 @@ from torch.utils.data import DataLoader, Dataset
 
 Key = tuple[int, tuple[int, ...]]
 """A micro-batch: (epoch, the global indices of its pairs)."""
-_MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: a 64-bit mix (uint64 arithmetic wraps)."""
-    x = (x ^ (x >> np.uint64(30))) * _MULTIPLIERS[0]
-    x = (x ^ (x >> np.uint64(27))) * _MULTIPLIERS[1]
-    return x ^ (x >> np.uint64(31))
-
-
-def permute(positions: np.ndarray, n: int, key: str, rounds: int = 6) -> np.ndarray:
-    """The values at ``positions`` (each in ``[0, n)``) of a pseudorandom permutation of ``range(n)`` keyed by
-    ``key``: a balanced Feistel network on the smallest even number of bits covering ``n``, cycle-walked into
-    range. Memory and time are proportional to ``len(positions)``, not to ``n``."""
-    positions = np.asarray(positions, dtype=np.int64)
-    if n <= 0 or (positions.size and (positions.min() < 0 or positions.max() >= n)):
-        raise ValueError(f"positions must lie in [0, {n})")
-    half = np.uint64(max(1, ((n - 1).bit_length() + 1) // 2))
-    mask = (np.uint64(1) << half) - np.uint64(1)
-    keys = np.frombuffer(hashlib.blake2b(key.encode(), digest_size=8 * rounds).digest(), dtype="<u8")
-    out = positions.astype(np.uint64)
-    todo = np.arange(out.size)
-    while todo.size:  # cycle walking: values outside [0, n) go round again; each step is a bijection
-        left, right = out[todo] >> half, out[todo] & mask
-        for round_key in keys:
-            left, right = right, left ^ (_mix(right ^ round_key) & mask)
-        value = (left << half) | right
-        out[todo] = value
-        todo = todo[value >= np.uint64(n)]
-    return out.astype(np.int64)
+def epoch_order(count: int, seed: int) -> np.ndarray:
+    """A permutation of ``range(count)`` from ``torch.randperm`` seeded ``seed``, as int32 where the indices fit."""
+    dtype = torch.int32 if count < 2**31 else torch.int64  # the same permutation in either dtype
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed), dtype=dtype).numpy()
 
 
 class PairOrder:
     """Which pairs each micro-batch of one rank holds: ``micro`` per micro-batch, ``accum`` micro-batches per step,
-    ``world`` ranks; epoch ``e`` is :func:`permute` keyed ``"<seed>:<e>"``, its last partial global batch unused."""
+    ``world`` ranks; epoch ``e`` is :func:`epoch_order` seeded ``seed * 7919 + e``, its last partial global batch
+    unused."""
 
     def __init__(self, count: int, micro: int, accum: int, world: int, rank: int, seed: int) -> None:
         self.count, self.micro, self.accum, self.world, self.rank, self.seed = count, micro, accum, world, rank, seed
@@ -65,13 +43,17 @@ class PairOrder:
         self.steps_per_epoch = count // self.global_batch
         if self.steps_per_epoch == 0:
             raise ValueError(f"{count} training pairs cannot fill one global batch of {self.global_batch}")
+        self._epoch: tuple[int, np.ndarray] | None = None
 
     def step(self, step: int) -> list[Key]:
         """The rank's micro-batches of optimizer step ``step`` (0-based), in accumulation order."""
         epoch, position = divmod(step, self.steps_per_epoch)
-        positions = np.arange(position * self.global_batch, (position + 1) * self.global_batch)
-        rows = permute(positions, self.count, f"{self.seed}:{epoch}").reshape(self.accum, self.world, self.micro)
-        return [(epoch, tuple(row.tolist())) for row in rows[:, self.rank]]
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = None  # the last epoch's order is let go before the next is drawn
+            self._epoch = epoch, epoch_order(self.count, self.seed * 7919 + epoch)
+        batch = self._epoch[1][position * self.global_batch : (position + 1) * self.global_batch]
+        rows = batch.reshape(self.accum, self.world, self.micro)[:, self.rank]
+        return [(epoch, tuple(row.tolist())) for row in rows]
 
 
 class StepKeys:

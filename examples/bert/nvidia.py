@@ -16,7 +16,7 @@ names is read, and a file of another length is refused by name). Files with "tra
 on, those with "test" held out, as NVIDIA's loader picks them. Each rank reads its own files as NVIDIA's
 ``run_pretraining.py`` assigns them: the sorted training files shuffled per epoch by ``random.Random(seed + epoch)``,
 rank ``r`` reading ``files[(f * world + r) % n]`` in round ``f`` of ``n`` (shifted by ``world % n`` per round when
-there are more ranks than files). Within a file the rows come in a permutation keyed by (seed, epoch, round, rank),
+there are more ranks than files). Within a file the rows come in a permutation seeded by (seed, epoch, round, rank),
 in micro-batches (a last partial one unused); like NVIDIA's loader, a worker holds the file it reads in memory, one
 file at a time, so memory follows the largest file, never the corpus. The labels are NVIDIA's: -100 (ignored)
 everywhere but ``masked_lm_positions[:k]``, ``k`` the first padded (0) position, which hold ``masked_lm_ids``.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from loading import Key, permute
+from loading import Key, epoch_order
 from torch.utils.data import Dataset
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -106,7 +106,7 @@ class NvidiaOrder:
             largest = max(f.rows for f in files)
             raise ValueError(f"no training file holds a micro-batch of {micro} rows (the largest holds {largest})")
         self.files, self.micro, self.accum, self.world, self.rank, self.seed = files, micro, accum, world, rank, seed
-        self._epochs: list[list[int]] = []
+        self._round: tuple[tuple[int, int], np.ndarray] | None = None
 
     def rounds(self, epoch: int) -> list[int]:
         """The files this rank reads in each round of ``epoch``, as NVIDIA's ``run_pretraining.py`` assigns them."""
@@ -127,11 +127,19 @@ class NvidiaOrder:
         for round_, index in enumerate(self.rounds(epoch)):
             batches = self.files[index].rows // self.micro
             if number < batches:
-                key = f"{self.seed}:{epoch}:{round_}:{self.rank}"
-                positions = np.arange(number * self.micro, (number + 1) * self.micro)
-                return index, tuple(permute(positions, self.files[index].rows, key).tolist())
+                rows = self._rows(epoch, round_, index)[number * self.micro : (number + 1) * self.micro]
+                return index, tuple(rows.tolist())
             number -= batches
         raise AssertionError("unreachable: the epoch's batches were counted")
+
+    def _rows(self, epoch: int, round_: int, index: int) -> np.ndarray:
+        """The order of file ``index``'s rows in ``round_`` of ``epoch`` (:func:`loading.epoch_order`, seeded by
+        the seed, epoch, round and rank), kept while that round lasts."""
+        key = (epoch, round_)
+        if self._round is None or self._round[0] != key:
+            seed = ((self.seed * 7919 + epoch) * 1_000_003 + round_) * 65_537 + self.rank
+            self._round = key, epoch_order(self.files[index].rows, seed)
+        return self._round[1]
 
     def step(self, step: int) -> list[Key]:
         return [self.micro_batch(step * self.accum + m) for m in range(self.accum)]
