@@ -156,6 +156,32 @@ def test_dataset_pieces(tmp_path: Path) -> None:
     assert manifest["source"]["rows"] == 100 and len(manifest["source"]["fingerprint"]) > 8
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 2]", r"a config must be a JSON object, got list"),
+        ("7", r"a config must be a JSON object, got int"),
+        ('"bert"', r"a config must be a JSON object, got str"),
+        ('{"bert": []}', r"'bert' must be a JSON object, got list"),
+        ('{"bert": {"max_seq_len": 64}}', r"unknown 'bert' keys \['max_seq_len'\]"),
+        ('{"bert": {"vocab_size": 0}}', r"bert\.vocab_size must be a positive integer, got 0"),
+        ("{oops", r"cannot read the config"),
+    ],
+)
+def test_a_config_of_the_wrong_kind_is_one_line_before_anything_runs(
+    tmp_path: Path, capsys, text: str, message: str
+) -> None:
+    """``prepare.py`` (and ``pretrain.py``, through the same ``recipe.read_config``) on a config that is not what it
+    reads: one line naming the file and the problem, a non-zero exit, no traceback, nothing written."""
+    config = tmp_path / "bad.json"
+    config.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main(["--corpus", "stdlib", "--deepspeed_config", str(config), "--out", str(tmp_path / "out")])
+    line = str(exit_.value.code)
+    assert line.startswith(f"prepare.py: error: {config}: ") and "\n" not in line and re.search(message, line), line
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- preparation
 
 

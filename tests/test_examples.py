@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import pickle
+import re
 from pathlib import Path
 
 import launch
@@ -117,6 +118,29 @@ def test_resnet_budget_comes_from_the_config_section() -> None:
     for name in ("resnet_sgd_cpu.json", "resnet_kfac_cpu.json", "resnet_easgd_cpu.json"):
         config = json.loads((ROOT / "configs" / name).read_text())
         assert config["resnet"]["steps"] == config["scheduler"]["params"]["total_num_steps"], name
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 2]", r"must be a JSON object \(keys and values\), got a list: \[1, 2\]"),
+        ("3", r"must be a JSON object \(keys and values\), got an integer: 3"),
+        ('"x"', r"must be a JSON object \(keys and values\), got a string"),
+        ('{"resnet": [1]}', r": resnet must be a JSON object"),
+        ('{"resnet": {"step": 3}}', r"unknown keys \['step'\] in 'resnet'"),
+        ("{not json", r"Expecting property name"),
+    ],
+)
+def test_resnet_config_of_the_wrong_kind_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    """The ResNet example's own reading of its config: a top level or section of the wrong JSON kind, an unknown key
+    or no JSON at all exits with one line naming the file, never a traceback from inside."""
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        resnet.read_config(path)
+    line = str(exit_.value.code)
+    assert line.startswith(f"train.py: error: {path}") and "\n" not in line and re.search(message, line), line
+    assert resnet.read_config(ROOT / "configs" / "resnet_sgd_cpu.json")[1] == {"steps": 120}
 
 
 def test_glyphs_are_deterministic_balanced_and_prefix_stable() -> None:

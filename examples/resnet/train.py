@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ds_kfac
+from ds_kfac.config.json_values import json_object
 
 sys.path.insert(0, str(Path(__file__).parent))
 import glyphs  # noqa: E402
@@ -188,6 +189,22 @@ def evaluate_model(engine: deepspeed.DeepSpeedEngine, x: torch.Tensor, y: torch.
         return evaluate(engine, x, y)
 
 
+def read_config(path: Path) -> tuple[dict, dict]:
+    """The DeepSpeed config at ``path`` and its ``"resnet"`` section (``steps``, ``epochs``), or an exit with one line
+    naming the file and what is wrong (not JSON, not an object, an unknown key)."""
+    try:
+        config = json_object(json.loads(path.read_text()), str(path))
+        budget = json_object(config.pop("resnet", {}), str(path), "resnet")
+    except (OSError, json.JSONDecodeError) as error:
+        sys.exit(f"train.py: error: {path}: cannot read the config ({error})")
+    except ValueError as error:  # json_object names the file
+        sys.exit(f"train.py: error: {error}")
+    unknown = set(budget) - {"steps", "epochs"}
+    if unknown:
+        sys.exit(f"train.py: error: {path}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)")
+    return config, budget
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cifar10-dir", type=Path, help="CIFAR-10 python batches; default: the embedded --data")
@@ -220,13 +237,7 @@ def main() -> None:
     augment = data == "digits"  # random shifts: the glyphs are distorted already, CIFAR-10 runs as stored
     torch.manual_seed(args.seed)
     model = ResNet(args.depth, x_tr.shape[1], 10)
-    config = json.loads(Path(args.deepspeed_config).read_text())
-    budget = config.pop("resnet", {})
-    unknown = set(budget) - {"steps", "epochs"}
-    if unknown:
-        raise ValueError(
-            f"{args.deepspeed_config}: unknown keys {sorted(unknown)} in 'resnet' (allowed: steps, epochs)"
-        )
+    config, budget = read_config(Path(args.deepspeed_config))
     optimizer = ds_kfac.optimizers.client.pop_client_optimizer(config, model.parameters(), args.seed)
     engine, _, _, _ = ds_kfac.initialize(
         model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config
