@@ -177,8 +177,9 @@ def _fresh_path(env: dict[str, str], cwd: str) -> list[str]:
 
 def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str], out: Connection) -> None:
     """In a process forked from the preloaded server: become what ``python -u ARGV`` started in ``cwd`` with ``env``
-    would be (its own session, output to ``out``, the environment, directory, ``sys.argv``, ``sys.path`` and
-    ``OMP_NUM_THREADS`` threads), run the script as ``__main__``, then end as the interpreter would: a traceback and
+    would be (its own session, output to ``out``, the environment, directory, ``sys.argv``, ``sys.path``,
+    ``OMP_NUM_THREADS`` threads and the platform's multiprocessing start method, not the server's ``forkserver``:
+    a DataLoader worker is forked as under the launcher), run the script as ``__main__``, then end as the interpreter would: a traceback and
     exit 1 on an exception, else ``SystemExit``'s code; the threads shut down as the interpreter shuts them down
     (``concurrent.futures`` executors told to stop, then every non-daemon thread joined), the ``atexit`` handlers
     run."""
@@ -192,6 +193,7 @@ def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str]
     os.environ.update(env)
     os.chdir(cwd)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = list(argv)
     sys.path[:] = [str(Path(argv[0]).parent), *path]
     code = 0
