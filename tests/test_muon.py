@@ -225,11 +225,12 @@ def test_resume_across_a_refresh_with_the_muon_half_is_bitwise(engines: list, tm
 BASE_OPTIMIZERS = {
     "SGD": {"lr": 0.1},
     "Lamb": {"lr": 0.01},
-    "Adam": {"lr": 0.01},
-    "AdamW": {"lr": 0.01},
+    "Adam": {"lr": 0.01, "torch_adam": True},
+    "AdamW": {"lr": 0.01, "torch_adam": True},
     "Muon": MUON,
 }
-"""Every JSON base optimizer K-FAC runs with, beside JSON Muon."""
+"""Every JSON base optimizer K-FAC runs with, beside JSON Muon (DeepSpeed's Adams as torch's: its default, the CPU
+``FusedAdam``, compiles an extension on first use, 35 s of a fresh clone's suite)."""
 REFUSED = {
     ("SGD", True): "SGD keeps no second moment",
     ("Muon", False): "optimizer type 'Muon' with K-FAC needs kfac.eigenbasis_moments: true: without it DeepSpeed's "
@@ -263,7 +264,8 @@ def test_every_base_optimizer_with_and_without_the_key(engines: list, kind: str,
 def test_muon_without_the_key_is_plain_deepspeed_where_kfac_registers_no_layer(engines: list) -> None:
     """K-FAC enabled but every layer skipped: nothing of K-FAC's reaches Muon, so JSON Muon without the key is not
     refused (DeepSpeed's own Muon, its matrices ``body`` and ``head``)."""
-    config = {"train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": {"type": "Muon", "params": MUON}}
+    optimizer = {"type": "Muon", "params": {**MUON, "torch_adam": True}}  # its Adam half: no FusedAdam to build
+    config = {"train_batch_size": 1, "gradient_clipping": 0.0, "optimizer": optimizer}
     model = Tiny()
     with pytest.warns(UserWarning, match="K-FAC registered no layer"):
         engine, opt, *_ = ds_kfac.initialize(
