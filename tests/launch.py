@@ -179,10 +179,10 @@ def _exec_script(argv: list[str], env: dict[str, str], cwd: str, path: list[str]
     """In a process forked from the preloaded server: become what ``python -u ARGV`` started in ``cwd`` with ``env``
     would be (its own session, output to ``out``, the environment, directory, ``sys.argv``, ``sys.path``,
     ``OMP_NUM_THREADS`` threads and the platform's multiprocessing start method, not the server's ``forkserver``:
-    a DataLoader worker is forked as under the launcher), run the script as ``__main__``, then end as the interpreter would: a traceback and
-    exit 1 on an exception, else ``SystemExit``'s code; the threads shut down as the interpreter shuts them down
-    (``concurrent.futures`` executors told to stop, then every non-daemon thread joined), the ``atexit`` handlers
-    run."""
+    a DataLoader worker is forked as under the launcher), run the script as ``__main__``, then end as the
+    interpreter would: a traceback and exit 1 on an exception, else ``SystemExit``'s code; the threads shut down as
+    the interpreter shuts them down (``concurrent.futures`` executors told to stop, then every non-daemon thread
+    joined), the ``atexit`` handlers run."""
     os.setsid()
     for fd in (1, 2):
         os.dup2(out.fileno(), fd)

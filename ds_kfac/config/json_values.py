@@ -58,3 +58,19 @@ def json_value(section: dict[str, Any], key: str, kind: Kind, default: Any, wher
     if not _is(value, kind):
         raise ValueError(f"{where}: {key} must be {_describe(kind)}, got {_shown(value)}")
     return value
+
+
+def zero_stage(config: dict[str, Any], where: str) -> int:
+    """The config's ``zero_optimization.stage`` (0 where left out), its section and value of the right JSON kinds."""
+    zero = json_object(config.get("zero_optimization", {}), where, "zero_optimization")
+    return json_value(zero, "zero_optimization.stage", int, 0, where)
+
+
+def half_precision(config: dict[str, Any], where: str) -> list[str]:
+    """The config's enabled half-precision sections, ``"fp16"`` then ``"bf16"``, each and its ``enabled`` of the
+    right JSON kinds."""
+    return [
+        key
+        for key in ("fp16", "bf16")
+        if json_value(json_object(config.get(key, {}), where, key), f"{key}.enabled", bool, False, where)
+    ]

@@ -28,7 +28,7 @@ from deepspeed.runtime.config import get_gradient_clipping
 from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
 
 from ..config import KFACConfig, KFACConfigError
-from ..config.json_values import json_object, json_value
+from ..config.json_values import half_precision, json_object, zero_stage
 from ..optimizers import build_optimizer, split_groups
 from ..optimizers.muon import build_muon
 from ..preconditioning.build import moment_rule, preconditioned_parameters
@@ -84,19 +84,7 @@ def refuse_muon(config: dict, kfac_config: KFACConfig, has_layers: bool = True) 
             "keeps only the polar factor, so K-FAC's rescaling is lost); set the key (K-FAC's layers then take Adam "
             "in their eigenbasis, the other matrices Muon), or use another optimizer type"
         )
-    where = "the DeepSpeed config"
-    stage = json_value(
-        json_object(config.get("zero_optimization", {}), where, "zero_optimization"),
-        "zero_optimization.stage",
-        int,
-        0,
-        where,
-    )
-    low = [
-        key
-        for key in ("fp16", "bf16")
-        if json_value(json_object(config.get(key, {}), where, key), f"{key}.enabled", bool, False, where)
-    ]
+    stage, low = zero_stage(config, "the DeepSpeed config"), half_precision(config, "the DeepSpeed config")
     if stage > 0 or low:
         given = f"ZeRO stage {stage}" + "".join(f", {key}" for key in low)
         raise KFACConfigError(
@@ -160,9 +148,7 @@ def optimizer_from_json(
     else:
         optimizer = build_optimizer(section["type"], params, section.get("params", {}), engine_device(model))
     del config["optimizer"]
-    where = "the DeepSpeed config"
-    zero = json_object(config.get("zero_optimization", {}), where, "zero_optimization")
-    stage = json_value(zero, "zero_optimization.stage", int, 0, where)
+    stage = zero_stage(config, "the DeepSpeed config")
     if stage > 0 and not is_zero_supported_optimizer(optimizer):
         # ZeRO asks for this flag for any optimizer outside its tested list.
         config["zero_allow_untested_optimizer"] = True

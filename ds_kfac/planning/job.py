@@ -11,7 +11,7 @@ from typing import Any, Union
 import torch
 
 from ..config import KFACConfig, KFACConfigError
-from ..config.json_values import json_object, json_value
+from ..config.json_values import half_precision, json_object, json_value, zero_stage
 from ..integration.optimizer_setup import raw_gradient_clipping, refuse_muon
 
 
@@ -56,13 +56,9 @@ def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read the DeepSpeed config {where}: {err}") from None
         json_object(config, f"the DeepSpeed config {where}")
-    zero = json_object(config.get("zero_optimization", {}), where, "zero_optimization")
-    stage = json_value(zero, "zero_optimization.stage", int, 0, where)
-    half = [
-        name
-        for name, key in (("float16", "fp16"), ("bfloat16", "bf16"))
-        if json_value(json_object(config.get(key, {}), where, key), f"{key}.enabled", bool, False, where)
-    ]
+    stage = zero_stage(config, where)
+    zero = config.get("zero_optimization", {})  # an object: zero_stage checked it
+    half = [{"fp16": "float16", "bf16": "bfloat16"}[key] for key in half_precision(config, where)]
     json_value(config, "gradient_clipping", (int, float), None, where)
     optimizer = json_object(config.get("optimizer", {}), where, "optimizer")
     json_value(optimizer, "optimizer.type", str, None, where)
