@@ -21,8 +21,9 @@ it on every seed, reached or not). The arms run in an order rotated by one at ev
 The ladders: ``resnet`` and ``bert`` (BERT phase 1 from scratch) have two arms, the base optimizer and the same
 with K-FAC; ``resnet-peers`` adds SOAP between SGD and K-FAC at 1,024 and 4,096 (budgets 120 and 60 steps);
 ``bert-phase2`` is the BERT demo's phase 2 at a size of ``benchmarks/ladder.py``'s (``--size``, from
-that size's LAMB phase-1 checkpoint, built once) with tuned AdamW, SOAP and ds_kfac's shipped config (its Adam
-rate, ``adam_lr``, on the grid; Muon's rate for the three matrices K-FAC leaves stays the config's), budgets in
+that size's LAMB phase-1 checkpoint, built once) with tuned AdamW, SOAP, DeepSpeed's JSON Muon (its ``muon_lr`` on
+the grid, its Adam half's rate ``--set-arm muon:optimizer.params.adam_lr=...``) and ds_kfac's shipped config (its
+Adam rate, ``adam_lr``, on the grid; Muon's rate for the three matrices K-FAC leaves stays the config's), budgets in
 steps per batch (the target comes in fewer steps at larger batches) and a target per size. The first arm is the
 reference the ratios divide by; K-FAC is also divided by the best other arm at each batch (``peer_ratios``).
 
@@ -145,6 +146,7 @@ LADDERS = {
         {
             "adamw": Arm("configs/bert_cpu_phase2_base.json", ("optimizer.params.lr",)),
             "soap": Arm("configs/bert_cpu_phase2_soap.json", ("client_optimizer.params.lr",)),
+            "muon": Arm("configs/bert_cpu_phase2_muon.json", ("optimizer.params.muon_lr",)),
             KFAC: Arm("configs/bert_cpu_phase2_kfac.json", ("optimizer.params.adam_lr",)),
         },
         ("bert.max_steps",),
