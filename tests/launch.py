@@ -109,10 +109,42 @@ def run(
     segments included (see :mod:`ds_kfac.integration.cleanup`): a killed rank cannot remove its own. Those segments
     found are first appended to ``left_segments``, when given. ``preload``: every command is ``python -u SCRIPT
     ARGS`` (as :func:`rank_launch` makes them), each forked with the imports done (:class:`Forked`)."""
+    return [out for out, _, _ in _released(cmds, timeout, env, left_segments, rank_envs, preload, True)]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How one process of :func:`outcomes` ended: its exit code, its output, and its seconds from the launch."""
+
+    code: int
+    output: str
+    seconds: float
+
+
+def outcomes(
+    cmds: list[list[str]], timeout: float, rank_envs: Optional[list[dict[str, str]]] = None, preload: bool = False
+) -> list[Ended]:
+    """As :func:`run`, but a process that fails does not end the others: every one is waited for (until
+    ``timeout``, then all are killed and it fails) and how each ended is returned: the tests of how every rank stops
+    on its own."""
+    ended = _released(cmds, timeout, None, None, rank_envs, preload, False)
+    return [Ended(code, out, seconds) for out, code, seconds in ended]
+
+
+def _released(
+    cmds: list[list[str]],
+    timeout: float,
+    env: Optional[dict[str, str]],
+    left_segments: Optional[list[Path]],
+    rank_envs: Optional[list[dict[str, str]]],
+    preload: bool,
+    check: bool,
+) -> list[tuple[str, int, float]]:
+    """:func:`_run`, then the launch's ports released (:func:`run`)."""
     ports = {cmd[cmd.index("--master_port") + 1] for cmd in cmds if "--master_port" in cmd}
     ports |= {e["MASTER_PORT"] for e in rank_envs or [] if "MASTER_PORT" in e}
     try:
-        return _run(cmds, timeout, env, rank_envs or [{} for _ in cmds], preload)
+        return _run(cmds, timeout, env, rank_envs or [{} for _ in cmds], preload, check)
     finally:
         for port in ports:
             if left_segments is not None:
@@ -294,7 +326,10 @@ def _run(
     env: Optional[dict[str, str]],
     rank_envs: list[dict[str, str]],
     preload: bool,
-) -> list[str]:
+    check: bool,
+) -> list[tuple[str, int, float]]:
+    """Each process's (output, exit code, seconds to its end); ``check``: the first failure kills the others and
+    raises."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     for cmd in cmds if preload else []:
         check_preloadable(cmd)  # before any starts
@@ -319,16 +354,21 @@ def _run(
         reader.start()
     deadline = started + timeout
     failure, failed = None, None
+    ended = [0.0 for _ in procs]
     try:
-        for cmd, proc in zip(cmds, procs):
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                failure = f"timed out after {timeout}s: {' '.join(cmd)}"
-                break
-            if proc.returncode != 0:
-                failed = proc
-                break
+        pending = list(range(len(procs)))
+        while pending and failure is None and failed is None:  # in the order they end
+            for i in list(pending):
+                if procs[i].poll() is not None:
+                    ended[i] = time.monotonic() - started
+                    pending.remove(i)
+                    if check and procs[i].returncode != 0:
+                        failed = procs[i]
+                        break
+            if pending and time.monotonic() > deadline:
+                failure = f"timed out after {timeout}s: {' '.join(cmds[pending[0]])}"
+            elif pending and failed is None:
+                time.sleep(0.05)
     finally:
         for proc, reader in zip(procs, readers):
             if proc.poll() is None:
@@ -352,7 +392,7 @@ def _run(
         failure += "".join(f"\n--- {' '.join(p.args)[-160:]}:\n{out[-1500:]}" for p, out in zip(procs, outputs))
     if failure:
         raise AssertionError(failure)
-    return outputs
+    return [(out, proc.returncode, seconds) for out, proc, seconds in zip(outputs, procs, ended)]
 
 
 def _results(out_dir: Path, n_scenarios: int, world: int) -> list[list[dict[str, Any]]]:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import data
+import faults
 import numpy as np
 import shards
 import torch
@@ -24,6 +25,8 @@ from torch.utils.data import DataLoader, Dataset
 
 Key = tuple[int, tuple[int, ...]]
 """A micro-batch: (epoch, the global indices of its pairs)."""
+ORDER = "randperm-7919"
+"""The sample order's kind, recorded in checkpoints (another order continues on other pairs)."""
 
 
 def epoch_order(count: int, seed: int) -> np.ndarray:
@@ -85,6 +88,7 @@ class ShardBatches(Dataset):
         example = self.shards.example(self.split, index, self.cls_id, self.sep_id)
         return data.masked_item(example, self.vocab, f"{self.seed}:{epoch}:{index}")
 
+    @faults.caught
     def __getitem__(self, key: Key) -> dict[str, np.ndarray]:
         epoch, indices = key
         return data.collate_arrays([self.item(epoch, index) for index in indices], self.vocab.pad_id)
@@ -117,8 +121,20 @@ def tensors(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {key: torch.from_numpy(value) for key, value in batch.items()}
 
 
-def loader(dataset: Dataset, keys: Iterable[Any], workers: int, prefetch: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Each key's micro-batch, made in ``workers`` processes (none: in this one) ``prefetch`` micro-batches ahead."""
+def held_out(dataset: Dataset, keys: Iterable[Any]) -> list[dict[str, torch.Tensor]]:
+    """The held-out micro-batches, made here before step 1: a fault in them refuses the run (a ``ValueError``)."""
+    made = [dataset[key] for key in keys]
+    fault = next((batch for batch in made if isinstance(batch, faults.Fault)), None)
+    if fault is not None:
+        raise ValueError(fault.message)
+    return [tensors(batch) for batch in made]
+
+
+def loader(
+    dataset: Dataset, keys: Iterable[Any], workers: int, prefetch: int
+) -> Iterator[dict[str, torch.Tensor] | faults.Fault]:
+    """Each key's micro-batch, made in ``workers`` processes (none: in this one) ``prefetch`` micro-batches ahead;
+    a :class:`faults.Fault` where one could not be made."""
     made = DataLoader(
         dataset,
         batch_size=None,
@@ -127,4 +143,4 @@ def loader(dataset: Dataset, keys: Iterable[Any], workers: int, prefetch: int) -
         prefetch_factor=prefetch if workers else None,
         collate_fn=as_is,
     )
-    return (tensors(batch) for batch in made)
+    return (batch if isinstance(batch, faults.Fault) else tensors(batch) for batch in made)

@@ -24,11 +24,14 @@ everywhere but ``masked_lm_positions[:k]``, ``k`` the first padded (0) position,
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import faults
 import numpy as np
 from loading import Key, epoch_order
 from torch.utils.data import Dataset
@@ -36,6 +39,8 @@ from torch.utils.data import Dataset
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 PER_TOKEN = ("input_ids", "input_mask", "segment_ids")
 PER_PREDICTION = ("masked_lm_positions", "masked_lm_ids")
+ORDER = "nvidia-rounds-1"
+"""The file and row order's kind, recorded in checkpoints."""
 
 
 def _h5py() -> Any:
@@ -107,6 +112,8 @@ class NvidiaOrder:
             raise ValueError(f"no training file holds a micro-batch of {micro} rows (the largest holds {largest})")
         self.files, self.micro, self.accum, self.world, self.rank, self.seed = files, micro, accum, world, rank, seed
         self._round: tuple[tuple[int, int], np.ndarray] | None = None
+        self._ends: list[int] = []  # micro-batches up to the end of each epoch counted so far
+        self._table: tuple[int, list[int], list[int]] | None = None  # an epoch, its files, batches to each's end
 
     def rounds(self, epoch: int) -> list[int]:
         """The files this rank reads in each round of ``epoch``, as NVIDIA's ``run_pretraining.py`` assigns them."""
@@ -116,21 +123,30 @@ class NvidiaOrder:
         shift = self.world % n if self.world > n else 0
         return [order[(f * self.world + self.rank + shift * f) % n] for f in range(n)]
 
-    def _batches(self, epoch: int) -> int:
-        return sum(self.files[i].rows // self.micro for i in self.rounds(epoch))
+    def _epoch(self, epoch: int) -> int:
+        """Micro-batches before ``epoch``: each epoch's count is taken once, so finding a micro-batch's epoch is a
+        binary search, however far into the run (an epoch whose files give this rank none adds nothing: with more
+        ranks than files a rank can draw only files under a micro-batch in some epoch, and moves on to the next)."""
+        while len(self._ends) <= epoch:
+            count = sum(self.files[i].rows // self.micro for i in self.rounds(len(self._ends)))
+            self._ends.append((self._ends[-1] if self._ends else 0) + count)
+        return self._ends[epoch - 1] if epoch else 0
 
     def micro_batch(self, number: int) -> Key:
-        """The rank's ``number``-th micro-batch (0-based): (file index, its rows)."""
-        epoch = 0
-        while number >= (count := self._batches(epoch)):
-            number, epoch = number - count, epoch + 1
-        for round_, index in enumerate(self.rounds(epoch)):
-            batches = self.files[index].rows // self.micro
-            if number < batches:
-                rows = self._rows(epoch, round_, index)[number * self.micro : (number + 1) * self.micro]
-                return index, tuple(rows.tolist())
-            number -= batches
-        raise AssertionError("unreachable: the epoch's batches were counted")
+        """The rank's ``number``-th micro-batch (0-based): (file index, its rows); two binary searches, the epoch's
+        file order kept while it lasts."""
+        while not self._ends or number >= self._ends[-1]:
+            self._epoch(len(self._ends))
+        epoch = bisect.bisect_right(self._ends, number)
+        number -= self._epoch(epoch)
+        if self._table is None or self._table[0] != epoch:
+            rounds = self.rounds(epoch)
+            self._table = epoch, rounds, list(itertools.accumulate(self.files[i].rows // self.micro for i in rounds))
+        _, rounds, ends = self._table
+        round_ = bisect.bisect_right(ends, number)
+        number -= ends[round_ - 1] if round_ else 0
+        rows = self._rows(epoch, round_, rounds[round_])[number * self.micro : (number + 1) * self.micro]
+        return rounds[round_], tuple(rows.tolist())
 
     def _rows(self, epoch: int, round_: int, index: int) -> np.ndarray:
         """The order of file ``index``'s rows in ``round_`` of ``epoch`` (:func:`loading.epoch_order`, seeded by
@@ -158,6 +174,29 @@ def held_out_keys(files: list[File], count: int, micro: int) -> list[Key]:
     return keys
 
 
+def read_file(path: str) -> dict[str, np.ndarray]:
+    """Every array of an NVIDIA shard, decompressed; an ``OSError`` naming the file where its data cannot be read
+    (corrupt compression past a readable header, a file cut short)."""
+    try:
+        with _h5py().File(path, "r") as handle:
+            return {key: np.asarray(handle[key][:]) for key in KEYS}
+    except (OSError, ValueError, KeyError) as error:
+        raise OSError(f"{path}: cannot read its arrays ({error})") from None
+
+
+def check_values(path: str, arrays: dict[str, np.ndarray], vocab_size: int) -> None:
+    """A ``ValueError`` naming ``path`` where ids fall outside the vocabulary or masked positions outside the
+    sequence (both would fail in the model, far from the file)."""
+    for name in ("input_ids", "masked_lm_ids"):
+        values = arrays[name]
+        if values.size and (int(values.max()) >= vocab_size or int(values.min()) < 0):
+            bad = int(values.max()) if int(values.max()) >= vocab_size else int(values.min())
+            raise ValueError(f"{path}: {name} holds id {bad}, the config's bert.vocab_size is {vocab_size}")
+    seq, positions = arrays["input_ids"].shape[-1], arrays["masked_lm_positions"]
+    if positions.size and (int(positions.max()) >= seq or int(positions.min()) < 0):
+        raise ValueError(f"{path}: masked_lm_positions holds {int(positions.max())}, outside a sequence of {seq}")
+
+
 class NvidiaBatches(Dataset):
     """Collated micro-batches of NVIDIA shards, with NVIDIA's labels; the file being read is held in memory."""
 
@@ -168,19 +207,15 @@ class NvidiaBatches(Dataset):
     def _arrays(self, index: int) -> dict[str, np.ndarray]:
         if self._held is None or self._held[0] != index:
             self._held = None  # the previous file is let go before the next is read
-            with _h5py().File(self.files[index].path, "r") as handle:
-                self._held = index, {key: np.asarray(handle[key][:]) for key in KEYS}
+            self._held = index, read_file(self.files[index].path)
         return self._held[1]
 
+    @faults.caught
     def __getitem__(self, key: Key) -> dict[str, np.ndarray]:
         index, rows = key
         arrays = self._arrays(index)
         picked = {name: arrays[name][list(rows)].astype(np.int64) for name in KEYS}
-        highest = int(picked["input_ids"].max())
-        if highest >= self.vocab_size:
-            raise ValueError(
-                f"{self.files[index].path}: token id {highest}, the config's bert.vocab_size is {self.vocab_size}"
-            )
+        check_values(self.files[index].path, picked, self.vocab_size)
         positions, ids = picked["masked_lm_positions"], picked["masked_lm_ids"]
         valid = np.cumprod(positions != 0, axis=1).astype(bool)  # up to the first padded (0) position
         labels = np.full_like(picked["input_ids"], -100)

@@ -50,7 +50,7 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -67,6 +67,7 @@ from transformers import BertConfig, BertForPreTraining, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data  # noqa: E402
+import faults  # noqa: E402
 import loading  # noqa: E402
 import prepare  # noqa: E402
 import recipe  # noqa: E402
@@ -82,8 +83,6 @@ PREPARATION_CODE = hashlib.sha256(
     b"".join((Path(__file__).parent / f).read_bytes() for f in ("data.py", "sources.py", "shards.py", "prepare.py"))
 ).hexdigest()
 """Keys the embedded corpus's prepared shards with the code that prepares them."""
-MEMORY_STEPS = (1, 10, 20, 50, 100)
-"""Steps after which each rank records its resident memory (and after the last)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     for flag in ("--text-dir", "--hf-dataset"):  # the old in-memory inputs, refused with the way to use them now
         parser.add_argument(flag, type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer (save_pretrained) the shards must match")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a saved tokenizer (save_pretrained) the shards must match; with --nvidia-hdf5, the one NVIDIA's ids come "
+        "from (recorded in checkpoints, so a phase 2 on shards of it is accepted)",
+    )
     parser.add_argument("--vocab-size", type=int, help="override bert.vocab_size")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bert"))
     parser.add_argument(
@@ -115,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "checkpoints/ and saved tokenizer/ are then used",
     )
     parser.add_argument("--resume", action="store_true", help="continue this run from its latest checkpoint")
+    parser.add_argument(
+        "--new-data",
+        action="store_true",
+        help="--resume on other data, seed or global batch than the checkpoint's, or --init-checkpoint from weights "
+        "trained on another vocabulary, on purpose (refused otherwise)",
+    )
     parser.add_argument(
         "--stop-after", type=int, help="save a checkpoint and exit after this many steps (a job's time limit)"
     )
@@ -148,8 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.init_checkpoint is not None and (args.init_checkpoint / "checkpoints").is_dir():
         run_dir = args.init_checkpoint
         args.init_checkpoint = run_dir / "checkpoints"
-        if args.tokenizer is None and (run_dir / "tokenizer").is_dir():
-            args.tokenizer = run_dir / "tokenizer"
+        if args.tokenizer is None and args.nvidia_hdf5 is None and (run_dir / "tokenizer").is_dir():
+            args.tokenizer = run_dir / "tokenizer"  # NVIDIA's ids are not of it: phase 2 checks the vocabulary
     return args
 
 
@@ -166,13 +176,16 @@ def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
 
 
 def rank_zero_first(build: Callable[[], T]) -> T:
-    """``build()`` on rank 0, then, after a barrier, on the other ranks: rank 0 fills a cache the others read."""
+    """``build()`` on rank 0, then on the other ranks: rank 0 fills a cache the others read. Rank 0's failure
+    (bad input) is every rank's (:class:`faults.DataFault`), none left waiting for it."""
+    result, error = None, None
     if dist.get_rank() == 0:
-        result = build()
-    dist.barrier()
-    if dist.get_rank() != 0:
-        result = build()
-    return result
+        try:
+            result = build()
+        except (ValueError, OSError) as caught:  # ShardError and ConfigError included
+            error = str(caught)
+    faults.agree(error)
+    return build() if dist.get_rank() != 0 else result
 
 
 # --------------------------------------------------------------------------- data
@@ -219,6 +232,12 @@ class ShardSource:
         self.tokenizer: Optional[PreTrainedTokenizerFast] = given or self.shards.tokenizer()
         self.vocab_size = len(self.tokenizer)
         manifest = self.shards.manifest
+        self.pins = {
+            "data": manifest["digest"],
+            "vocabulary": f"tokenizer {manifest['tokenizer']['digest']}",
+            "order": loading.ORDER,
+        }
+        """What a checkpoint records of the data (``--resume`` and phase 2 check it): see :func:`check_pins`."""
         self.record = {
             **{key: value for key, value in manifest["source"].items() if key != "files"},
             "shards": str(root),
@@ -237,7 +256,7 @@ class ShardSource:
         held = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.data_seed + 1, "held_out")
         keys = loading.held_out_keys(self.shards.starts["held_out"], args.eval_batches * micro, micro)
         order = loading.PairOrder(len(self.shards), micro, accum, dist.get_world_size(), dist.get_rank(), args.seed)
-        return train, order, [loading.tensors(held[key]) for key in keys]
+        return train, order, loading.held_out(held, keys)
 
 
 class NvidiaSource:
@@ -250,6 +269,21 @@ class NvidiaSource:
         self.training, self.test = nvidia.discover(args.nvidia_hdf5, bert["max_seq_length"])
         self.tokenizer: Optional[PreTrainedTokenizerFast] = None  # the ids are NVIDIA's vocabulary's
         self.vocab_size = bert["vocab_size"]
+        files = json.dumps([(Path(f.path).name, f.rows) for f in self.training + self.test])
+        vocabulary = f"NVIDIA's ids, {self.vocab_size} tokens"
+        if args.tokenizer is not None:  # the tokenizer NVIDIA's ids come from, named by the user
+            given = PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
+            if len(given) != self.vocab_size:
+                raise ValueError(
+                    f"{args.tokenizer}: a {len(given)}-token vocabulary, the config's bert.vocab_size is "
+                    f"{self.vocab_size}"
+                )
+            vocabulary = f"tokenizer {shards.tokenizer_digest(given)}"
+        self.pins = {
+            "data": hashlib.sha256(files.encode()).hexdigest(),
+            "vocabulary": vocabulary,
+            "order": nvidia.ORDER,
+        }
         self.record = {
             "nvidia_hdf5": str(args.nvidia_hdf5),
             "training_files": len(self.training),
@@ -267,8 +301,7 @@ class NvidiaSource:
         order = nvidia.NvidiaOrder(self.training, micro, accum, dist.get_world_size(), dist.get_rank(), seed)
         held = nvidia.NvidiaBatches(self.test, self.vocab_size)
         keys = nvidia.held_out_keys(self.test, self.args.eval_batches * micro, micro)
-        held_out = [loading.tensors(held[key]) for key in keys]
-        return nvidia.NvidiaBatches(self.training, self.vocab_size), order, held_out
+        return nvidia.NvidiaBatches(self.training, self.vocab_size), order, loading.held_out(held, keys)
 
 
 def open_data(args: argparse.Namespace, bert: dict[str, Any], cache: Path) -> ShardSource | NvidiaSource:
@@ -280,14 +313,41 @@ def open_data(args: argparse.Namespace, bert: dict[str, Any], cache: Path) -> Sh
     return ShardSource(args, bert, root, given)
 
 
+def check_pins(flag: str, client: dict[str, Any], pins: dict[str, Any], keys: tuple[str, ...], allow: bool) -> None:
+    """A ``ValueError`` naming what of ``keys`` differs between the checkpoint's recorded data (``client["data"]``)
+    and this run's ``pins``, unless ``allow`` (``--new-data``); a checkpoint that recorded none is said once."""
+    recorded = client.get("data")
+    if recorded is None:
+        if dist.get_rank() == 0:
+            print(f"{flag}: the checkpoint records no data identity (written by an older pretrain.py): not checked")
+        return
+    differ = [key for key in keys if recorded.get(key) != pins[key]]
+    if differ and not allow:
+
+        def short(value: Any) -> str:  # digests to their first 12 digits
+            return re.sub(r"[0-9a-f]{32,}", lambda digest: f"{digest.group()[:12]}...", str(value))
+
+        changed = ", ".join(f"{key} {short(recorded.get(key))} -> {short(pins[key])}" for key in differ)
+        raise ValueError(
+            f"{flag}: the checkpoint was trained on other data than this run's ({changed}): give the data it was "
+            f"trained on, or --new-data to go on with this on purpose"
+        )
+
+
 @contextlib.contextmanager
 def refused_input() -> Iterator[None]:
-    """Bad data or config found before step 1: one line naming it (rank 0), a clean exit on every rank."""
+    """Bad data or config found before step 1 on any rank: one line naming it (rank 0), exit 2 on every rank.
+    Every rank ends the block with one agreement (:func:`faults.agree`), so one rank's refusal is every rank's."""
+    error = None
     try:
         yield
-    except (recipe.ConfigError, shards.ShardError, ValueError, ImportError) as error:
+    except (recipe.ConfigError, shards.ShardError, ValueError, ImportError, faults.DataFault) as caught:
+        error = str(caught)
+    try:
+        faults.agree(error)
+    except faults.DataFault as refused:
         if dist.get_rank() == 0:
-            print(f"pretrain.py: error: {error}", file=sys.stderr, flush=True)
+            print(f"pretrain.py: error: {refused}", file=sys.stderr, flush=True)
         ds_kfac.shutdown()
         sys.exit(2)
 
@@ -307,52 +367,6 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float
         count += chosen.sum().item()
     engine.train()
     return loss_sum / max(1, count), correct / max(1, count)
-
-
-# --------------------------------------------------------------------------- what each rank reports
-
-
-def resident_bytes(pid: int | str = "self") -> int:
-    """A process's resident memory (Linux ``/proc``; 0 elsewhere or if it is gone)."""
-    try:
-        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def children() -> list[int]:
-    """This process's child processes (its loader workers)."""
-    found = []
-    for task in Path("/proc/self/task").glob("*"):
-        try:
-            found += [int(pid) for pid in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-class RankReport:
-    """What one rank reports of its run (``ranks/rank-<r>.json``): when its first step ended, how long its steps
-    took and waited on data, and its resident memory (with its loader workers') after some steps."""
-
-    def __init__(self, rank: int) -> None:
-        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "steps": 0, "step_seconds": 0.0}
-        self.record.update(data_wait_seconds=0.0, first_step_unix=None, resident_bytes={})
-
-    def step(self, step: int, seconds: float, waited: float, last: bool) -> None:
-        self.record["steps"] += 1
-        self.record["step_seconds"] += seconds
-        self.record["data_wait_seconds"] += waited
-        if self.record["first_step_unix"] is None:
-            self.record["first_step_unix"] = time.time()
-        if self.record["steps"] in MEMORY_STEPS or last:
-            workers = sum(resident_bytes(pid) for pid in children())
-            self.record["resident_bytes"][str(step)] = {"rank": resident_bytes(), "loader_workers": workers}
-
-    def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.record, indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------- training
@@ -400,15 +414,20 @@ def main(argv: list[str] | None = None) -> None:
         train_batches, order, held_out = found.batches(micro, accum)
 
     start_step = 0
+    pins = {**found.pins, "seed": args.seed, "global_batch": global_batch}
     if args.resume:
         path, client = engine.load_checkpoint(str(run_dir / "checkpoints"))
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
         start_step = client["step"]
+        with refused_input():
+            check_pins("--resume", client, pins, tuple(pins), args.new_data)
     elif args.init_checkpoint is not None:
-        path, _ = engine.load_checkpoint(str(args.init_checkpoint), load_module_only=True)
+        path, client = engine.load_checkpoint(str(args.init_checkpoint), load_module_only=True)
         if path is None:
             raise FileNotFoundError(f"--init-checkpoint: no checkpoint in {args.init_checkpoint}")
+        with refused_input():
+            check_pins("--init-checkpoint", client or {}, pins, ("vocabulary",), args.new_data)
 
     writer = report.MetricsWriter(run_dir / "metrics.csv", start_step) if rank == 0 else None
     kfac = getattr(engine, "kfac", None)
@@ -430,54 +449,63 @@ def main(argv: list[str] | None = None) -> None:
     )
     keys = loading.StepKeys(order, start_step, max_steps)
     batches = loading.loader(train_batches, keys, args.loader_workers, args.prefetch)
-    ranks = RankReport(rank)
+    ranks = report.RankReport(rank)
     train_seconds = 0.0  # optimizer steps only: evaluation and checkpoints are not timed
     bar = tqdm(range(start_step, max_steps), disable=rank != 0, initial=start_step, total=max_steps, dynamic_ncols=True)
-    for step in bar:
-        torch.manual_seed(args.seed * 1_000_003 + step * world + rank)  # dropout: a function of the step
-        started = time.perf_counter()
-        total, waited = 0.0, 0.0
-        for _ in range(accum):
-            asked = time.perf_counter()
-            batch = next(batches)
-            waited += time.perf_counter() - asked
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
-            out = engine(**batch)
-            if kfac is not None:  # with "fisher": "sampled", G from masked-LM targets drawn from the model
-                kfac.sample_fisher(out.prediction_logits, "cross_entropy", labels=batch["labels"])
-            loss = out.loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / accum
-        lr = engine.get_lr()[0]
-        elapsed = time.perf_counter() - started
-        train_seconds += elapsed
-        seconds = previous_seconds + train_seconds
-        last = step + 1 == max_steps
-        interrupted = args.stop_after is not None and step + 1 - start_step == args.stop_after and not last
-        ranks.step(step + 1, elapsed, waited, last or interrupted)
-        row: dict[str, object] = {
-            "step": step + 1,
-            "samples": (step + 1) * global_batch,
-            "seconds": f"{seconds:.3f}",
-            "data_seconds": f"{waited:.4f}",
-            "loss": f"{total:.6f}",
-            "lr": f"{lr:.6g}",
-        }
-        if held_out and ((bert["eval_every"] and (step + 1) % bert["eval_every"] == 0) or last):
-            mlm_loss, mlm_acc = evaluate(engine, held_out)
-            row.update(held_out_mlm_loss=f"{mlm_loss:.6f}", held_out_mlm_accuracy=f"{mlm_acc:.6f}")
-        if writer is not None:
-            writer.write(row)
-            bar.set_postfix(
-                loss=f"{total:.3f}",
-                lr=f"{lr:.2e}",
-                samples_per_s=f"{(step + 1 - start_step) * global_batch / train_seconds:.1f}",
-            )
-        if (bert["save_every"] and (step + 1) % bert["save_every"] == 0) or last or interrupted:
-            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step + 1}", client_state={"step": step + 1})
-        if interrupted:
-            break
+    try:
+        for step in bar:
+            torch.manual_seed(args.seed * 1_000_003 + step * world + rank)  # dropout: a function of the step
+            started = time.perf_counter()
+            total = 0.0
+            micro_batches, fault = faults.fetch_step(batches, accum)  # all of the step's, before its first collective
+            waited = time.perf_counter() - started
+            faults.agree(fault, engine.device)  # a data fault on any rank stops every rank here
+            for batch in micro_batches:
+                batch = {k: v.to(engine.device) for k, v in batch.items()}
+                out = engine(**batch)
+                if kfac is not None:  # with "fisher": "sampled", G from masked-LM targets drawn from the model
+                    kfac.sample_fisher(out.prediction_logits, "cross_entropy", labels=batch["labels"])
+                loss = out.loss
+                engine.backward(loss)
+                engine.step()
+                total += loss.item() / accum
+            lr = engine.get_lr()[0]
+            elapsed = time.perf_counter() - started
+            train_seconds += elapsed
+            seconds = previous_seconds + train_seconds
+            last = step + 1 == max_steps
+            interrupted = args.stop_after is not None and step + 1 - start_step == args.stop_after and not last
+            ranks.step(step + 1, elapsed, waited, last or interrupted)
+            row: dict[str, object] = {
+                "step": step + 1,
+                "samples": (step + 1) * global_batch,
+                "seconds": f"{seconds:.3f}",
+                "data_seconds": f"{waited:.4f}",
+                "loss": f"{total:.6f}",
+                "lr": f"{lr:.6g}",
+            }
+            if held_out and ((bert["eval_every"] and (step + 1) % bert["eval_every"] == 0) or last):
+                mlm_loss, mlm_acc = evaluate(engine, held_out)
+                row.update(held_out_mlm_loss=f"{mlm_loss:.6f}", held_out_mlm_accuracy=f"{mlm_acc:.6f}")
+            if writer is not None:
+                writer.write(row)
+                bar.set_postfix(
+                    loss=f"{total:.3f}",
+                    lr=f"{lr:.2e}",
+                    samples_per_s=f"{(step + 1 - start_step) * global_batch / train_seconds:.1f}",
+                )
+            if (bert["save_every"] and (step + 1) % bert["save_every"] == 0) or last or interrupted:
+                state = {"step": step + 1, "data": pins}
+                engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step + 1}", client_state=state)
+            if interrupted:
+                break
+    except faults.DataFault as stopped:  # every rank, at the same step
+        bar.close()
+        del batches
+        if rank == 0:
+            print(f"pretrain.py: error: {stopped}", file=sys.stderr, flush=True)
+        ds_kfac.shutdown()
+        sys.exit(1)
     bar.close()
     del batches  # the loader workers end here, before the process group does
     ranks.write(run_dir / "ranks" / f"rank-{rank}.json")

@@ -8,10 +8,15 @@ written to the same directory are compared in one table and one picture.
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+MEMORY_STEPS = (1, 10, 20, 50, 100)
+"""Steps after which each rank records its resident memory (and after the last)."""
 FIELDS = ["step", "samples", "seconds", "data_seconds", "loss", "lr", "held_out_mlm_loss", "held_out_mlm_accuracy"]
 
 
@@ -105,3 +110,46 @@ def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
         avg = weight * avg + (1 - weight) * v
         out.append(avg / (1 - weight**i) if not math.isnan(v) else float("nan"))
     return out
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (Linux ``/proc``; 0 elsewhere or if it is gone)."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def children() -> list[int]:
+    """This process's child processes (its loader workers)."""
+    found = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            found += [int(pid) for pid in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+class RankReport:
+    """What one rank reports of its run (``ranks/rank-<r>.json``): when its first step ended, how long its steps
+    took and waited on data, and its resident memory (with its loader workers') after some steps."""
+
+    def __init__(self, rank: int) -> None:
+        self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "steps": 0, "step_seconds": 0.0}
+        self.record.update(data_wait_seconds=0.0, first_step_unix=None, resident_bytes={})
+
+    def step(self, step: int, seconds: float, waited: float, last: bool) -> None:
+        self.record["steps"] += 1
+        self.record["step_seconds"] += seconds
+        self.record["data_wait_seconds"] += waited
+        if self.record["first_step_unix"] is None:
+            self.record["first_step_unix"] = time.time()
+        if self.record["steps"] in MEMORY_STEPS or last:
+            workers = sum(resident_bytes(pid) for pid in children())
+            self.record["resident_bytes"][str(step)] = {"rank": resident_bytes(), "loader_workers": workers}
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.record, indent=1) + "\n")

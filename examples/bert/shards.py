@@ -148,7 +148,13 @@ class _Arrays:
     def read(self, path: Path, start: int, count: int) -> np.ndarray:
         """Elements ``[start, start + count)`` of the (flattened) array in ``path``."""
         fd, offset, dtype = self._file(path)
-        raw = os.pread(fd, count * dtype.itemsize, offset + start * dtype.itemsize)
+        wanted, at = count * dtype.itemsize, offset + start * dtype.itemsize
+        raw = os.pread(fd, wanted, at)
+        if len(raw) != wanted:  # the file shrank under the run: never train on the cut rows
+            raise ShardError(
+                f"{path}: truncated after preparation (read {len(raw)} of {wanted} bytes at offset {at}, the file "
+                f"now holds {os.fstat(fd).st_size}): prepare the shards again"
+            )
         return np.frombuffer(raw, dtype=dtype)
 
     def __getstate__(self) -> dict[str, Any]:
