@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -286,3 +287,92 @@ def test_resume_and_phase_2_refuse_other_data_naming_what_changed(
     code, errors = _pretrain(monkeypatch, capsys, *from_nvidia, "--shards", str(first))
     assert code == 2 and re.search(r"\(vocabulary NVIDIA's ids, 600 tokens -> tokenizer ", errors[0]), errors
     assert _pretrain(monkeypatch, capsys, *from_nvidia, "--shards", str(first), "--new-data") == (0, [])
+
+
+# --------------------------------------------------------------------------- preparation
+
+
+def _text_dir(root: Path, documents: list, copies: int) -> Path:
+    """``documents`` written ``copies`` times as one blank-line text file under ``root``."""
+    root.mkdir(parents=True)
+    with (root / "corpus.txt").open("w") as f:
+        for _ in range(copies):
+            for doc in documents:
+                f.write("\n".join(doc) + "\n\n")
+    return root
+
+
+def test_a_second_preparation_into_the_same_out_is_refused_in_one_line(tmp_path: Path) -> None:
+    """While a preparation holds ``--out`` (its lock), another into it is refused naming the first's process
+    (before: one of the two died on a raw ``[Errno 39] Directory not empty``), and nothing of it is written."""
+    text = _text_dir(tmp_path / "text", data.stdlib_corpus()[:200], 1)
+    out = tmp_path / "out"
+    settings = prepare.Settings(SEQ, held_out_fraction=0.1)
+    with prepare.locked(out):
+        with pytest.raises(shards.ShardError, match=rf"{re.escape(str(out))}: another preparation \(process \d+\) is"):
+            prepare.prepare(prepare.text_dir_source(text, 30_000), out, settings, VOCAB, progress=False)
+        assert sorted(p.name for p in out.iterdir()) == [prepare.LOCK]
+    prepare.prepare(prepare.text_dir_source(text, 30_000), out, settings, VOCAB, sample_bytes=50_000, progress=False)
+
+
+def test_a_killed_preparations_tokenizer_is_not_used_for_another_corpus(tmp_path: Path, monkeypatch) -> None:
+    """A preparation killed after writing its tokenizer leaves it behind: a preparation of another corpus (or other
+    settings) into that directory is refused naming what differs (before, it tokenized the new corpus with the
+    first's vocabulary, silently); the same preparation run again reuses it and completes."""
+    documents = data.stdlib_corpus()
+    first, second = _text_dir(tmp_path / "a", documents[:300], 1), _text_dir(tmp_path / "b", documents[300:600], 1)
+    out = tmp_path / "out"
+    settings = prepare.Settings(SEQ, held_out_fraction=0.1)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards, "write_shard", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare(prepare.text_dir_source(first, 30_000), out, settings, VOCAB, sample_bytes=50_000, progress=False)
+    assert (out / shards.TOKENIZER).is_dir() and not list(out.glob("shard-*"))
+    monkeypatch.undo()
+    for source, other, differ in [
+        (second, settings, "source"),
+        (first, prepare.Settings(SEQ, held_out_fraction=0.2), "settings"),
+    ]:
+        with pytest.raises(shards.ShardError, match=rf"tokenizer: left by a preparation of other input or settings "
+                           rf"\(its {differ} differ from this command's\), not reused"):  # fmt: skip
+            prepare.prepare(prepare.text_dir_source(source, 30_000), out, other, VOCAB, sample_bytes=50_000, progress=False)
+    manifest = prepare.prepare(prepare.text_dir_source(first, 30_000), out, settings, VOCAB, sample_bytes=50_000, progress=False)
+    assert manifest["totals"]["train_pairs"] > 0
+
+
+def test_a_killed_worker_is_an_error_naming_its_shard_and_the_rerun_completes_as_if_never_killed(
+    tmp_path: Path,
+) -> None:
+    """``prepare.py --workers 2`` with one worker killed (SIGKILL, as the kernel's out-of-memory killer does):
+    the preparation exits non-zero within 30 s naming the shards in flight (before: ``multiprocessing.Pool`` waited
+    forever); the same command run again completes with the manifest of a preparation never interrupted."""
+    import signal
+    import subprocess
+
+    text = _text_dir(tmp_path / "text", data.stdlib_corpus(), 6)  # about 5 MB: 4 pieces of 1.2 MB
+    config = small_config(tmp_path)
+    command = [sys.executable, str(ROOT / "examples/bert/prepare.py"), "--text-dir", str(text), "--deepspeed_config",
+               str(config), "--workers", "2", "--shard-mb", "1.2", "--tokenizer-sample-mb", "0.3"]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.Popen([*command, "--out", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True)
+    victim = None
+    while victim is None and run.poll() is None and time.monotonic() - started < 120:
+        for task in Path(f"/proc/{run.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    victim = int(pid)
+        time.sleep(0.05)
+    assert victim is not None, "no worker seen"
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode != 0 and time.monotonic() - killed < 30
+    assert re.search(r"prepare\.py: error: a preparation worker died .* while preparing shard-\d{5} \(", err), err
+    subprocess.run([*command, "--out", str(tmp_path / "out")], check=True, capture_output=True, timeout=240)
+    subprocess.run([*command, "--out", str(tmp_path / "whole")], check=True, capture_output=True, timeout=240)
+    assert json.loads((tmp_path / "out" / shards.MANIFEST).read_text()) == json.loads(
+        (tmp_path / "whole" / shards.MANIFEST).read_text()
+    )

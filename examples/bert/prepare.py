@@ -23,23 +23,22 @@ another preparation (other input, settings or tokenizer) is refused, never writt
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
-import multiprocessing
 import os
 import platform
 import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import numpy as np
-from tokenizers import Tokenizer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,27 +46,19 @@ import data  # noqa: E402
 import recipe  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
+from shard_jobs import Job, Settings, in_workers, prepare_shard, split_piece  # noqa: E402
 
-PIECE_SEED_STRIDE = 1_000_003
-"""Between two pieces' seeds (:func:`piece_seed`)."""
 PIECE_BYTES = 32_000_000
 """Text per shard by default (``--shard-mb``): a worker holds one piece's text, documents and ids at a time."""
 VERSIONED = ("numpy", "tokenizers", "transformers")
+"""Packages whose versions the manifest records (with Python's)."""
+LOCK = ".lock"
+"""Held (``flock``) by the preparation writing into a directory; it names that preparation's process."""
+TOKENIZER_KEY = "preparation.json"
+"""Beside a trained tokenizer: the preparation it belongs to (:func:`tokenizer_for` reuses it for that one only)."""
 
 if TYPE_CHECKING:  # imported where used: a worker process reads, tokenizes and writes without it
     from transformers import PreTrainedTokenizerFast
-"""Packages whose versions the manifest records (with Python's)."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What decides a preparation's shards beside its input and tokenizer."""
-
-    max_seq_length: int
-    short_seq_prob: float = 0.1
-    held_out_fraction: float = 0.05
-    seed: int = 0
-    format: int = shards.FORMAT
 
 
 @dataclass(frozen=True)
@@ -108,95 +99,6 @@ def embedded_source(name: str, cache_dir: Optional[Path], piece_bytes: int) -> S
     return Source(sources.document_pieces(documents, piece_bytes), record, Path("."))
 
 
-# --------------------------------------------------------------------------- one shard (in a worker)
-
-@functools.lru_cache(maxsize=2)
-def _backend(path: str) -> Tokenizer:
-    """The preparation's tokenizer, loaded once per worker process (``tokenizers`` alone, not ``transformers``)."""
-    return Tokenizer.from_file(path)
-
-
-def piece_seed(seed: int, index: int) -> int:
-    """The seed of piece ``index``'s draws (held-out split, training pairs; held-out pairs take it plus one): the
-    preparation's seed itself for the first piece, so a corpus of one piece is split and paired as
-    :func:`data.split_documents` and :func:`data.build_examples` do with that seed."""
-    return seed + PIECE_SEED_STRIDE * index
-
-
-def split_piece(documents: list[data.Document], settings: Settings, index: int) -> tuple[list, list]:
-    """A piece's (training, held-out) documents: by document, seeded by :func:`piece_seed`."""
-    seed = piece_seed(settings.seed, index)
-    return data.split_documents(documents, settings.held_out_fraction, seed=seed, minimum=2)
-
-
-@dataclass(frozen=True)
-class Job:
-    """One shard to write: its piece, where, and with what (plain data, to cross into a worker process)."""
-
-    piece: sources.Piece
-    out: str
-    tokenizer: str  # the tokenizer's tokenizer.json
-    identity: dict[str, Any]  # what the shard records it was made from and with
-
-
-def prepare_shard(job: Job) -> dict[str, Any]:
-    """Read, split, tokenize and pair one piece, and write it as a shard; its record."""
-    settings = Settings(**job.identity["settings"])
-    piece, name = job.piece, shards.shard_name(job.piece.index)
-    documents, text_digest = piece.read()
-    train, held = split_piece(documents, settings, piece.index)
-    backend = _backend(job.tokenizer)
-    dtype = data.token_dtype(backend.get_vocab_size())
-    train_sentences = sum(map(len, train))
-    tokens, lengths = data.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
-    if len(tokens) >= 2**32:
-        where = f"{name} ({job.identity['piece']})"
-        raise ValueError(f"{where}: {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
-    train_ranges = data.document_sentences(train, lengths[:train_sentences])
-    held_ranges = data.document_sentences(held, lengths[train_sentences:], int(lengths[:train_sentences].sum()))
-    try:
-        pairs = data.pair_ranges(train_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, "train"))
-    except ValueError:
-        raise ValueError(
-            f"{name} ({job.identity['piece']}): fewer than two training documents with text; next-sentence prediction "
-            f"draws B from another document of the same shard: separate documents with blank lines, or raise --shard-mb"
-        ) from None
-    usable_held = sum(1 for doc in held_ranges if any(length for _, length in doc))
-    held_pairs = (
-        data.pair_ranges(held_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, "held_out"))
-        if usable_held >= 2
-        else []
-    )
-    arrays = {
-        "tokens.npy": tokens,
-        "pairs.npy": np.array(pairs, dtype=shards.PAIR_DTYPE),
-        "held_out_pairs.npy": np.array(held_pairs, dtype=shards.PAIR_DTYPE),
-    }
-    record = {
-        **job.identity,
-        "shard": name,
-        "text_bytes": piece.text_bytes,
-        "text_digest": text_digest,
-        "documents": len(documents),
-        "held_out_documents": len(held),
-        "sentences": len(lengths),
-        "tokens": len(tokens),
-        "train_pairs": len(pairs),
-        "held_out_pairs": len(held_pairs),
-    }
-    return shards.write_shard(Path(job.out), name, arrays, record)
-
-
-def _rng(job: Job, split: str) -> random.Random:
-    return random.Random(piece_seed(job.identity["settings"]["seed"], job.piece.index) + (split == "held_out"))
-
-
-def _worker_start() -> None:
-    """A worker tokenizes on one core: the workers are the parallelism (tokenizers' own threads would
-    oversubscribe)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
 # --------------------------------------------------------------------------- the whole preparation
 
 
@@ -217,20 +119,28 @@ def tokenizer_for(
     out: Path, source: Source, settings: Settings, given: Optional[PreTrainedTokenizerFast], vocab_size: int,
     sample_bytes: int,
 ) -> PreTrainedTokenizerFast:  # fmt: skip
-    """The preparation's tokenizer, saved in ``out/tokenizer``: the one given, or one trained on a sample (kept from
-    an interrupted run of the same preparation)."""
+    """The preparation's tokenizer, saved in ``out/tokenizer`` with the key of the preparation it belongs to: the
+    one given, or one trained on a sample. A tokenizer an interrupted run left is reused by the same preparation
+    only (same input, settings, vocabulary size, sample and given tokenizer); another's is refused, never used."""
     from transformers import PreTrainedTokenizerFast
 
     directory = out / shards.TOKENIZER
+    key = {
+        "source": source.key,
+        "settings": asdict(settings),
+        "vocab_size": vocab_size,
+        "sample_bytes": sample_bytes,
+        "given": None if given is None else shards.tokenizer_digest(given),
+    }
     if directory.is_dir():
-        kept = PreTrainedTokenizerFast.from_pretrained(str(directory))
-        if given is not None and shards.tokenizer_digest(kept) != shards.tokenizer_digest(given):
-            raise shards.ShardError(f"{directory}: another tokenizer than the one given holds this directory's shards")
-        if given is None and len(kept) != vocab_size:
+        kept = (directory / TOKENIZER_KEY).is_file() and shards.read_json(directory / TOKENIZER_KEY, "tokenizer key")
+        differ = sorted(k for k in key if not kept or kept.get(k) != key[k])
+        if differ:
             raise shards.ShardError(
-                f"{directory}: a {len(kept)}-token vocabulary, the config's bert.vocab_size is {vocab_size}"
+                f"{directory}: left by a preparation of other input or settings (its {', '.join(differ)} differ from "
+                f"this command's), not reused: prepare into another --out, or remove {out}"
             )
-        return kept
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
     if given is None:
         sample = sample_sentences(source, settings, sample_bytes)
 
@@ -245,8 +155,31 @@ def tokenizer_for(
     partial = out / f".{shards.TOKENIZER}.{os.getpid()}.tmp"
     shutil.rmtree(partial, ignore_errors=True)
     given.save_pretrained(str(partial))
+    shards.write_json(partial / TOKENIZER_KEY, key)
     os.rename(partial, directory)
     return given
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """``out/.lock`` held (``flock``) while preparing into ``out``: a second preparation there is refused in one
+    line naming the first's process (the lock goes with the process, however it ends)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            raise shards.ShardError(
+                f"{out}: another preparation (process {holder}) is writing here: wait for it, or prepare into "
+                f"another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def prepare(
@@ -259,9 +192,25 @@ def prepare(
     sample_bytes: int = 128 << 20,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Prepare ``source`` into ``out`` (or find it prepared there); the manifest. See the module docstring."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Prepare ``source`` into ``out`` (or find it prepared there: read only), holding its lock; the manifest. See
+    the module docstring."""
     if (out / shards.MANIFEST).is_file():
+        return _prepared(out, source, settings, tokenizer)
+    with locked(out):
+        return _prepare(source, out, settings, vocab_size, tokenizer, workers, sample_bytes, progress)
+
+
+def _prepare(
+    source: Source,
+    out: Path,
+    settings: Settings,
+    vocab_size: int,
+    tokenizer: Optional[PreTrainedTokenizerFast],
+    workers: int,
+    sample_bytes: int,
+    progress: bool,
+) -> dict[str, Any]:
+    if (out / shards.MANIFEST).is_file():  # another preparation finished it while this one waited for nothing
         return _prepared(out, source, settings, tokenizer)
     started = time.perf_counter()
     for stale in out.glob(".*.tmp"):  # a killed run's unfinished shard or tokenizer
@@ -291,11 +240,12 @@ def prepare(
     done = total - sum(job.piece.text_bytes for job in jobs)
     bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="prepare", disable=not progress)
     if workers > 1 and len(jobs) > 1:
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(min(workers, len(jobs)), initializer=_worker_start) as pool:
-            for record in pool.imap_unordered(prepare_shard, jobs):
-                records[int(record["shard"].removeprefix("shard-"))] = record
-                bar.update(record["text_bytes"])
+
+        def done(record: dict[str, Any]) -> None:
+            records[int(record["shard"].removeprefix("shard-"))] = record
+            bar.update(record["text_bytes"])
+
+        in_workers(jobs, min(workers, len(jobs)), done)
     else:
         for job in jobs:
             records[job.piece.index] = prepare_shard(job)

@@ -143,18 +143,20 @@ def text_dir_pieces(root: str | os.PathLike, piece_bytes: int) -> list[Piece]:
     if not files:
         raise FileNotFoundError(f"no .txt files in {str(root)!r}")
     groups: list[list[tuple[str, int, int]]] = [[]]
+    sizes = [0]  # each group's bytes, kept as it grows: grouping is linear in the number of files
     for path in files:
         size = path.stat().st_size
         cuts = _cut_points(path, size, piece_bytes)
         for start, end in zip(cuts, cuts[1:]):
-            if sum(e - s for _, s, e in groups[-1]) >= piece_bytes:
+            if sizes[-1] >= piece_bytes:
                 groups.append([])
+                sizes.append(0)
             groups[-1].append((str(path), start, end))
-    if len(groups) > 1 and sum(e - s for _, s, e in groups[-1]) < piece_bytes // 2:
+            sizes[-1] += end - start
+    if len(groups) > 1 and sizes[-1] < piece_bytes // 2:
         groups[-2].extend(groups.pop())  # a small remainder joins the piece before it
-    return [
-        Piece(index, TextRanges(tuple(ranges)), sum(e - s for _, s, e in ranges)) for index, ranges in enumerate(groups)
-    ]
+        sizes[-2] += sizes.pop()
+    return [Piece(index, TextRanges(tuple(ranges)), sizes[index]) for index, ranges in enumerate(groups)]
 
 
 def text_dir_identity(root: str | os.PathLike) -> list[list[Any]]:

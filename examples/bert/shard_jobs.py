@@ -1,0 +1,163 @@
+"""One shard of a preparation, made in a worker process: a piece read, split, tokenized, paired and written
+(:func:`prepare_shard`), and the pool of workers that makes them (:func:`in_workers`). ``prepare.py`` plans the
+pieces and writes the manifest; what crosses into a worker is plain data (:class:`Job`)."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import random
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import data
+import numpy as np
+import shards
+import sources
+from tokenizers import Tokenizer
+
+PIECE_SEED_STRIDE = 1_000_003
+"""Between two pieces' seeds (:func:`piece_seed`)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What decides a preparation's shards beside its input and tokenizer."""
+
+    max_seq_length: int
+    short_seq_prob: float = 0.1
+    held_out_fraction: float = 0.05
+    seed: int = 0
+    format: int = shards.FORMAT
+
+
+@functools.lru_cache(maxsize=2)
+def _backend(path: str) -> Tokenizer:
+    """The preparation's tokenizer, loaded once per worker process (``tokenizers`` alone, not ``transformers``)."""
+    return Tokenizer.from_file(path)
+
+
+def piece_seed(seed: int, index: int) -> int:
+    """The seed of piece ``index``'s draws (held-out split, training pairs; held-out pairs take it plus one): the
+    preparation's seed itself for the first piece, so a corpus of one piece is split and paired as
+    :func:`data.split_documents` and :func:`data.build_examples` do with that seed."""
+    return seed + PIECE_SEED_STRIDE * index
+
+
+def split_piece(documents: list[data.Document], settings: Settings, index: int) -> tuple[list, list]:
+    """A piece's (training, held-out) documents: by document, seeded by :func:`piece_seed`."""
+    seed = piece_seed(settings.seed, index)
+    return data.split_documents(documents, settings.held_out_fraction, seed=seed, minimum=2)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One shard to write: its piece, where, and with what (plain data, to cross into a worker process)."""
+
+    piece: sources.Piece
+    out: str
+    tokenizer: str  # the tokenizer's tokenizer.json
+    identity: dict[str, Any]  # what the shard records it was made from and with
+
+
+def prepare_shard(job: Job) -> dict[str, Any]:
+    """Read, split, tokenize and pair one piece, and write it as a shard; its record."""
+    settings = Settings(**job.identity["settings"])
+    piece, name = job.piece, shards.shard_name(job.piece.index)
+    documents, text_digest = piece.read()
+    train, held = split_piece(documents, settings, piece.index)
+    backend = _backend(job.tokenizer)
+    dtype = data.token_dtype(backend.get_vocab_size())
+    train_sentences = sum(map(len, train))
+    tokens, lengths = data.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
+    if len(tokens) >= 2**32:
+        where = f"{name} ({job.identity['piece']})"
+        raise ValueError(f"{where}: {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
+    train_ranges = data.document_sentences(train, lengths[:train_sentences])
+    held_ranges = data.document_sentences(held, lengths[train_sentences:], int(lengths[:train_sentences].sum()))
+    try:
+        pairs = data.pair_ranges(train_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, "train"))
+    except ValueError:
+        raise ValueError(
+            f"{name} ({job.identity['piece']}): fewer than two training documents with text; next-sentence prediction "
+            f"draws B from another document of the same shard: separate documents with blank lines, or raise --shard-mb"
+        ) from None
+    usable_held = sum(1 for doc in held_ranges if any(length for _, length in doc))
+    held_pairs = (
+        data.pair_ranges(held_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, "held_out"))
+        if usable_held >= 2
+        else []
+    )
+    arrays = {
+        "tokens.npy": tokens,
+        "pairs.npy": np.array(pairs, dtype=shards.PAIR_DTYPE),
+        "held_out_pairs.npy": np.array(held_pairs, dtype=shards.PAIR_DTYPE),
+    }
+    record = {
+        **job.identity,
+        "shard": name,
+        "text_bytes": piece.text_bytes,
+        "text_digest": text_digest,
+        "documents": len(documents),
+        "held_out_documents": len(held),
+        "sentences": len(lengths),
+        "tokens": len(tokens),
+        "train_pairs": len(pairs),
+        "held_out_pairs": len(held_pairs),
+    }
+    return shards.write_shard(Path(job.out), name, arrays, record)
+
+
+def _rng(job: Job, split: str) -> random.Random:
+    return random.Random(piece_seed(job.identity["settings"]["seed"], job.piece.index) + (split == "held_out"))
+
+
+def _worker_start() -> None:
+    """A worker tokenizes on one core: the workers are the parallelism (tokenizers' own threads would
+    oversubscribe)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _where(job: Job) -> str:
+    """A job's shard and the start of its piece, for a message."""
+    piece = job.identity["piece"]
+    first = piece[0] if piece and isinstance(piece[0], list) else piece
+    more = f" and {len(piece) - 1} more ranges" if piece and isinstance(piece[0], list) and len(piece) > 1 else ""
+    return f"{shards.shard_name(job.piece.index)} ({first}{more})"
+
+
+def in_workers(jobs: list[Job], workers: int, done: Callable[[dict[str, Any]], None]) -> None:
+    """Each job's :func:`prepare_shard` in ``workers`` processes, at most one job each at a time, ``done`` called
+    with each record as it comes. A worker that dies (killed for memory, say) is an error naming the shards in
+    flight, raised as soon as its death is seen: the others are stopped, and the same command redoes them."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_start) as pool:
+        waiting = iter(jobs)
+        running: dict[Future, Job] = {}
+
+        def submit() -> None:
+            job = next(waiting, None)
+            if job is not None:
+                running[pool.submit(prepare_shard, job)] = job
+
+        for _ in range(workers):
+            submit()
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = running.pop(future)
+                try:
+                    record = future.result()
+                except BrokenProcessPool:
+                    flight = ", ".join(_where(j) for j in [job, *running.values()])
+                    raise shards.ShardError(
+                        f"a preparation worker died (killed, e.g. for memory: lower --shard-mb or --workers) while "
+                        f"preparing {flight}: run the same command again, it redoes the shards not written"
+                    ) from None
+                done(record)
+                submit()
