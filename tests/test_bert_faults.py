@@ -30,6 +30,7 @@ import data  # noqa: E402
 import faults  # noqa: E402
 import loading  # noqa: E402
 import nvidia  # noqa: E402
+import out_dir  # noqa: E402
 import prepare  # noqa: E402
 import shards  # noqa: E402
 from test_bert_shards import SEQ, write_nvidia_shard  # noqa: E402
@@ -101,7 +102,8 @@ def test_a_shard_cut_short_under_a_run_is_a_fault_naming_it(two_preparations: tu
         f.truncate(200)
     fault = batches[(0, (0, last))]
     assert isinstance(fault, faults.Fault)
-    assert re.fullmatch(rf"{re.escape(str(tokens))}: truncated after preparation \(read \d+ of \d+ bytes .*", fault.message)
+    expected = rf"{re.escape(str(tokens))}: truncated after preparation \(read \d+ of \d+ bytes .*"
+    assert re.fullmatch(expected, fault.message)
 
 
 def test_nvidia_values_and_compression_faults_name_the_file(hdf5_dir: Path, tmp_path: Path) -> None:
@@ -270,7 +272,9 @@ def test_resume_and_phase_2_refuse_other_data_naming_what_changed(
     assert _pretrain(monkeypatch, capsys, *base, "--shards", str(first), "--stop-after", "2") == (0, [])
     code, errors = _pretrain(monkeypatch, capsys, *base, "--shards", str(second), "--resume")
     assert code == 2 and len(errors) == 1, errors
-    assert re.search(r"--resume: the checkpoint was trained on other data than this run's \(data \w+\.\.\. -> ", errors[0])
+    assert re.search(
+        r"--resume: the checkpoint was trained on other data than this run's \(data \w+\.\.\. -> ", errors[0]
+    )
     code, errors = _pretrain(monkeypatch, capsys, *base, "--shards", str(first), "--resume", "--seed", "7")
     assert code == 2 and re.search(r"\(seed 0 -> 7\)", errors[0]), errors
     assert _pretrain(monkeypatch, capsys, *base, "--shards", str(first), "--resume") == (0, [])
@@ -308,10 +312,10 @@ def test_a_second_preparation_into_the_same_out_is_refused_in_one_line(tmp_path:
     text = _text_dir(tmp_path / "text", data.stdlib_corpus()[:200], 1)
     out = tmp_path / "out"
     settings = prepare.Settings(SEQ, held_out_fraction=0.1)
-    with prepare.locked(out):
+    with out_dir.locked(out):
         with pytest.raises(shards.ShardError, match=rf"{re.escape(str(out))}: another preparation \(process \d+\) is"):
             prepare.prepare(prepare.text_dir_source(text, 30_000), out, settings, VOCAB, progress=False)
-        assert sorted(p.name for p in out.iterdir()) == [prepare.LOCK]
+        assert sorted(p.name for p in out.iterdir()) == [out_dir.LOCK]
     prepare.prepare(prepare.text_dir_source(text, 30_000), out, settings, VOCAB, sample_bytes=50_000, progress=False)
 
 
@@ -323,13 +327,14 @@ def test_a_killed_preparations_tokenizer_is_not_used_for_another_corpus(tmp_path
     first, second = _text_dir(tmp_path / "a", documents[:300], 1), _text_dir(tmp_path / "b", documents[300:600], 1)
     out = tmp_path / "out"
     settings = prepare.Settings(SEQ, held_out_fraction=0.1)
+    quiet = {"sample_bytes": 50_000, "progress": False}
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(shards, "write_shard", killed)
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare(prepare.text_dir_source(first, 30_000), out, settings, VOCAB, sample_bytes=50_000, progress=False)
+        prepare.prepare(prepare.text_dir_source(first, 30_000), out, settings, VOCAB, **quiet)
     assert (out / shards.TOKENIZER).is_dir() and not list(out.glob("shard-*"))
     monkeypatch.undo()
     for source, other, differ in [
@@ -338,8 +343,8 @@ def test_a_killed_preparations_tokenizer_is_not_used_for_another_corpus(tmp_path
     ]:
         with pytest.raises(shards.ShardError, match=rf"tokenizer: left by a preparation of other input or settings "
                            rf"\(its {differ} differ from this command's\), not reused"):  # fmt: skip
-            prepare.prepare(prepare.text_dir_source(source, 30_000), out, other, VOCAB, sample_bytes=50_000, progress=False)
-    manifest = prepare.prepare(prepare.text_dir_source(first, 30_000), out, settings, VOCAB, sample_bytes=50_000, progress=False)
+            prepare.prepare(prepare.text_dir_source(source, 30_000), out, other, VOCAB, **quiet)
+    manifest = prepare.prepare(prepare.text_dir_source(first, 30_000), out, settings, VOCAB, **quiet)
     assert manifest["totals"]["train_pairs"] > 0
 
 

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "examples/bert"))
 import data  # noqa: E402
 import loading  # noqa: E402
 import nvidia  # noqa: E402
+import out_dir  # noqa: E402
 import prepare  # noqa: E402
+import shard_jobs  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
 
@@ -251,7 +253,7 @@ def test_shards_hold_the_corpus_pairs_and_keep_held_out_text_out(corpus_dir: Pat
     cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
     for index, piece in enumerate(prepare.text_dir_source(corpus_dir, PIECE).pieces):
         documents, _ = piece.read()
-        train, held = prepare.split_piece(documents, settings, index)
+        train, held = shard_jobs.split_piece(documents, settings, index)
         for split, docs in (("train", train), ("held_out", held)):
             texts = [[tokenizer(s, add_special_tokens=False)["input_ids"] for s in doc] for doc in docs]
             flat = {d: [t for s in doc for t in s] for d, doc in enumerate(texts)}
@@ -308,7 +310,7 @@ def test_an_interrupted_preparation_resumes_with_the_missing_shards(
     assert redone == [2, 3]
     assert {name: (out / name / "tokens.npy").stat().st_mtime_ns for name in written} == kept
     assert manifest == json.loads((prepared / shards.MANIFEST).read_text())
-    assert [p.name for p in out.glob(".*")] == [prepare.LOCK]  # nothing temporary left; the lock file stays
+    assert [p.name for p in out.glob(".*")] == [out_dir.LOCK]  # nothing temporary left; the lock file stays
 
 
 _real = prepare.prepare_shard

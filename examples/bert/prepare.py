@@ -23,19 +23,13 @@ another preparation (other input, settings or tokenizer) is refused, never writt
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
-import json
-import os
 import platform
-import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -46,140 +40,25 @@ import data  # noqa: E402
 import recipe  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
-from shard_jobs import Job, Settings, in_workers, prepare_shard, split_piece  # noqa: E402
+from corpus import Source, embedded_source, hf_dataset_source, text_dir_source  # noqa: E402
+from out_dir import locked, tokenizer_for  # noqa: E402
+from shard_jobs import Job, Settings, in_workers, prepare_shard  # noqa: E402
 
 PIECE_BYTES = 32_000_000
 """Text per shard by default (``--shard-mb``): a worker holds one piece's text, documents and ids at a time."""
 VERSIONED = ("numpy", "tokenizers", "transformers")
 """Packages whose versions the manifest records (with Python's)."""
-LOCK = ".lock"
-"""Held (``flock``) by the preparation writing into a directory; it names that preparation's process."""
-TOKENIZER_KEY = "preparation.json"
-"""Beside a trained tokenizer: the preparation it belongs to (:func:`tokenizer_for` reuses it for that one only)."""
+COUNTED = (
+    *("text_bytes", "documents", "held_out_documents", "sentences", "tokens", "train_pairs", "held_out_pairs"),
+    *("random_next_pairs", "pair_tokens"),
+)
+"""What each shard counts and the manifest totals."""
 
 if TYPE_CHECKING:  # imported where used: a worker process reads, tokenizes and writes without it
     from transformers import PreTrainedTokenizerFast
 
 
-@dataclass(frozen=True)
-class Source:
-    """A corpus to prepare: its pieces and what identifies it (to refuse mixing preparations of other inputs)."""
-
-    pieces: list[sources.Piece]
-    record: dict[str, Any]
-    root: Path
-
-    @property
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.record, sort_keys=True).encode()).hexdigest()
-
-
-def text_dir_source(root: Path, piece_bytes: int) -> Source:
-    root = root.resolve()
-    pieces = sources.text_dir_pieces(root, piece_bytes)
-    record = {"text_dir": str(root), "files": sources.text_dir_identity(root), "piece_bytes": piece_bytes}
-    return Source(pieces, record, root)
-
-
-def hf_dataset_source(path: Path, column: str, piece_bytes: int) -> Source:
-    pieces = sources.hf_dataset_pieces(path, column, piece_bytes)
-    identity = sources.hf_dataset_identity(path, column)
-    record = {"hf_dataset": str(path.resolve()), **identity, "piece_bytes": piece_bytes}
-    return Source(pieces, record, path.resolve())
-
-
-def embedded_source(name: str, cache_dir: Optional[Path], piece_bytes: int) -> Source:
-    documents = data.embedded_corpus(name, cache_dir)
-    record = {
-        "embedded": name,
-        "versions": data.corpus_sources(name),
-        "digest": data.corpus_digest(documents),
-        "piece_bytes": piece_bytes,
-    }
-    return Source(sources.document_pieces(documents, piece_bytes), record, Path("."))
-
-
 # --------------------------------------------------------------------------- the whole preparation
-
-
-def sample_sentences(source: Source, settings: Settings, sample_bytes: int) -> list[sources.Piece]:
-    """The pieces whose training documents train the tokenizer: drawn with the seed until ``sample_bytes`` of text."""
-    order = list(range(len(source.pieces)))
-    random.Random(f"{settings.seed}:tokenizer").shuffle(order)
-    chosen, total = [], 0
-    for index in order:
-        if total >= sample_bytes:
-            break
-        chosen.append(source.pieces[index])
-        total += source.pieces[index].text_bytes
-    return sorted(chosen, key=lambda piece: piece.index)
-
-
-def tokenizer_for(
-    out: Path, source: Source, settings: Settings, given: Optional[PreTrainedTokenizerFast], vocab_size: int,
-    sample_bytes: int,
-) -> PreTrainedTokenizerFast:  # fmt: skip
-    """The preparation's tokenizer, saved in ``out/tokenizer`` with the key of the preparation it belongs to: the
-    one given, or one trained on a sample. A tokenizer an interrupted run left is reused by the same preparation
-    only (same input, settings, vocabulary size, sample and given tokenizer); another's is refused, never used."""
-    from transformers import PreTrainedTokenizerFast
-
-    directory = out / shards.TOKENIZER
-    key = {
-        "source": source.key,
-        "settings": asdict(settings),
-        "vocab_size": vocab_size,
-        "sample_bytes": sample_bytes,
-        "given": None if given is None else shards.tokenizer_digest(given),
-    }
-    if directory.is_dir():
-        kept = (directory / TOKENIZER_KEY).is_file() and shards.read_json(directory / TOKENIZER_KEY, "tokenizer key")
-        differ = sorted(k for k in key if not kept or kept.get(k) != key[k])
-        if differ:
-            raise shards.ShardError(
-                f"{directory}: left by a preparation of other input or settings (its {', '.join(differ)} differ from "
-                f"this command's), not reused: prepare into another --out, or remove {out}"
-            )
-        return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    if given is None:
-        sample = sample_sentences(source, settings, sample_bytes)
-
-        def sentences() -> Any:
-            for piece in sample:
-                train, _ = split_piece(piece.read()[0], settings, piece.index)
-                yield from (s for doc in train for s in doc)
-
-        size = sum(piece.text_bytes for piece in sample)
-        print(f"training a {vocab_size}-token WordPiece vocabulary on {len(sample)} pieces ({size / 1e6:.0f} MB)")
-        given = data.wrap_tokenizer(data.train_wordpiece(sentences, vocab_size))
-    partial = out / f".{shards.TOKENIZER}.{os.getpid()}.tmp"
-    shutil.rmtree(partial, ignore_errors=True)
-    given.save_pretrained(str(partial))
-    shards.write_json(partial / TOKENIZER_KEY, key)
-    os.rename(partial, directory)
-    return given
-
-
-@contextlib.contextmanager
-def locked(out: Path) -> Iterator[None]:
-    """``out/.lock`` held (``flock``) while preparing into ``out``: a second preparation there is refused in one
-    line naming the first's process (the lock goes with the process, however it ends)."""
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            raise shards.ShardError(
-                f"{out}: another preparation (process {holder}) is writing here: wait for it, or prepare into "
-                f"another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
 
 
 def prepare(
@@ -258,9 +137,17 @@ def _prepare(
     print(
         f"prepared {len(source.pieces)} shards ({len(jobs)} new) in {out}: {totals['text_bytes'] / 1e6:.1f} MB of "
         f"text, {totals['documents']} documents, {totals['tokens']} tokens, {totals['train_pairs']} training / "
-        f"{totals['held_out_pairs']} held-out pairs; {seconds:.1f} s"
+        f"{totals['held_out_pairs']} held-out pairs ({describe_pairs(totals, settings.max_seq_length)}); "
+        f"{seconds:.1f} s"
     )
     return manifest
+
+
+def describe_pairs(totals: dict[str, int], max_seq_length: int) -> str:
+    """The training pairs' share with a random B and their mean fill of a sequence, in words."""
+    pairs = max(1, totals["train_pairs"])
+    fill = totals["pair_tokens"] / pairs / max_seq_length
+    return f"{totals['random_next_pairs'] / pairs:.1%} with a random B, sequences {fill:.1%} full on average"
 
 
 def _prepared(out: Path, source: Source, settings: Settings, tokenizer: Optional[Any]) -> dict[str, Any]:
@@ -282,7 +169,6 @@ def _prepared(out: Path, source: Source, settings: Settings, tokenizer: Optional
 def _manifest(
     source: Source, settings: Settings, tokenizer: PreTrainedTokenizerFast, records: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    counted = ("text_bytes", "documents", "held_out_documents", "sentences", "tokens", "train_pairs", "held_out_pairs")
     manifest = {
         "format": shards.FORMAT,
         "source": source.record,
@@ -296,9 +182,9 @@ def _manifest(
         },
         "versions": {"python": platform.python_version(), **{p: importlib.metadata.version(p) for p in VERSIONED}},
         "text_digest": hashlib.sha256("".join(r["text_digest"] for r in records).encode()).hexdigest(),
-        "totals": {key: sum(r[key] for r in records) for key in counted},
+        "totals": {key: sum(r[key] for r in records) for key in COUNTED},
         "shards": [
-            {"name": shards.shard_name(i), **{key: r[key] for key in (*counted, "files", "digest")}}
+            {"name": shards.shard_name(i), **{key: r[key] for key in (*COUNTED, "files", "digest")}}
             for i, r in enumerate(records)
         ],
     }
@@ -311,10 +197,21 @@ def _manifest(
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     inputs = parser.add_mutually_exclusive_group(required=True)
-    inputs.add_argument("--text-dir", type=Path, help="a directory of *.txt files (documents end at blank lines)")
+    inputs.add_argument("--text-dir", type=Path, help="a directory of text files laid out as --layout says")
     inputs.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk (a row a document)")
     inputs.add_argument("--corpus", choices=data.EMBEDDED_CORPORA, help="an embedded corpus (no download)")
-    parser.add_argument("--text-column", default="text", help="the dataset's text column")
+    parser.add_argument(
+        "--layout",
+        choices=sources.LAYOUTS,
+        default="blank-lines",
+        help="--text-dir's documents: *.txt, blocks of lines ended by a blank line (default); *.txt, one per line; "
+        "*.jsonl, one JSON object per line (its --text-column field)",
+    )
+    parser.add_argument("--text-column", default="text", help="the dataset's text column, or a JSON line's field")
+    parser.add_argument("--group-rows", type=int, default=1, help="--hf-dataset: this many rows a document")
+    parser.add_argument(
+        "--document-column", help="--hf-dataset: consecutive rows sharing this column's value are a document"
+    )
     parser.add_argument("--tokenizer", type=Path, help="a saved fast tokenizer (save_pretrained); default: train one")
     parser.add_argument(
         "--deepspeed_config", type=Path, required=True, help="its 'bert' section: sequence length, vocabulary size"
@@ -328,7 +225,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer-sample-mb", type=float, default=128.0, help="text the vocabulary is trained on")
     parser.add_argument("--cache-dir", type=Path, help="the embedded corpus's cache (--corpus packages)")
     args = parser.parse_args(argv)
-    for name in ("workers", "shard_mb", "tokenizer_sample_mb"):
+    if args.group_rows != 1 and args.document_column is not None:
+        parser.error("give --group-rows or --document-column, not both")
+    for name in ("workers", "shard_mb", "tokenizer_sample_mb", "group_rows"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
@@ -336,9 +235,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def source_of(args: argparse.Namespace, piece_bytes: int) -> Source:
     if args.text_dir is not None:
-        return text_dir_source(args.text_dir, piece_bytes)
+        return text_dir_source(args.text_dir, piece_bytes, args.layout, args.text_column)
     if args.hf_dataset is not None:
-        return hf_dataset_source(args.hf_dataset, args.text_column, piece_bytes)
+        return hf_dataset_source(args.hf_dataset, args.text_column, piece_bytes, args.group_rows, args.document_column)
     return embedded_source(args.corpus, args.cache_dir, piece_bytes)
 
 

@@ -82,7 +82,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PREPARATION_CODE = hashlib.sha256(
     b"".join(
         (Path(__file__).parent / f).read_bytes()
-        for f in ("data.py", "sources.py", "shards.py", "shard_jobs.py", "prepare.py")
+        for f in ("data.py", "sources.py", "corpus.py", "out_dir.py", "shards.py", "shard_jobs.py", "prepare.py")
     )
 ).hexdigest()
 """Keys the embedded corpus's prepared shards with the code that prepares them."""

@@ -23,6 +23,10 @@ from tokenizers import Tokenizer
 
 PIECE_SEED_STRIDE = 1_000_003
 """Between two pieces' seeds (:func:`piece_seed`)."""
+MOST_RANDOM_NEXT = 0.9
+"""The largest share of a shard's training pairs with a random B (label 1) taken: BERT's pairing gives about half;
+all of them come from documents of one sentence each (a dataset whose rows are sentences, read a row a document),
+which teach next-sentence prediction nothing."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,13 @@ def prepare_shard(job: Job) -> dict[str, Any]:
         "pairs.npy": np.array(pairs, dtype=shards.PAIR_DTYPE),
         "held_out_pairs.npy": np.array(held_pairs, dtype=shards.PAIR_DTYPE),
     }
+    stats = pair_stats(arrays["pairs.npy"])
+    if stats["random_next_pairs"] > MOST_RANDOM_NEXT * max(1, len(pairs)):
+        raise ValueError(
+            f"{_where(job)}: {stats['random_next_pairs'] / len(pairs):.0%} of its next-sentence pairs take a random B "
+            f"(label 1; BERT's pairing gives about half): its documents are single sentences. Rows of sentences "
+            f"make documents with --group-rows N or --document-column COLUMN; text files need their --layout"
+        )
     record = {
         **job.identity,
         "shard": name,
@@ -109,8 +120,16 @@ def prepare_shard(job: Job) -> dict[str, Any]:
         "tokens": len(tokens),
         "train_pairs": len(pairs),
         "held_out_pairs": len(held_pairs),
+        **stats,
     }
     return shards.write_shard(Path(job.out), name, arrays, record)
+
+
+def pair_stats(pairs: np.ndarray) -> dict[str, int]:
+    """Counts a manifest sums to describe training pairs: those with a random B (label 1), and the tokens the pairs
+    fill (A, B and the three special tokens; over ``max_seq_length`` times the pairs, the mean fill)."""
+    lengths = pairs["a_length"].astype(np.int64) + pairs["b_length"] + 3
+    return {"random_next_pairs": int(pairs["next_sentence_label"].sum()), "pair_tokens": int(lengths.sum())}
 
 
 def _rng(job: Job, split: str) -> random.Random:

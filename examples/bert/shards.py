@@ -28,7 +28,10 @@ from typing import Any, Optional
 import data
 import numpy as np
 
-FORMAT = 1
+FORMAT = 2
+"""Written by this code: format 1 and the pair counts (label 1, tokens filled) in each shard and the totals."""
+READABLE = (1, 2)
+"""Formats read (their arrays are alike)."""
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer"
 SHARD_RECORD = "shard.json"
@@ -199,8 +202,8 @@ class ShardSet:
             raise ShardError(f"{root} holds {cause}")
         path = root / MANIFEST
         manifest = read_json(path, "manifest")
-        if manifest.get("format") != FORMAT:
-            raise ShardError(f"{path}: format {manifest.get('format')!r}, this reader knows format {FORMAT}")
+        if manifest.get("format") not in READABLE:
+            raise ShardError(f"{path}: format {manifest.get('format')!r}, this reader knows formats {READABLE}")
         if manifest.get("digest") != manifest_digest(manifest):
             raise ShardError(
                 f"{path}: its digest does not match its contents (edited or damaged after preparation): prepare the "

@@ -4,8 +4,12 @@ A corpus of any size is planned as a list of :class:`Piece` s of about ``piece_b
 deterministically (the same pieces for the same input, whatever the number of workers), and each piece is read
 whole by whichever process prepares it. Nothing here holds more than one piece's text:
 
-* a directory of ``*.txt`` files (sorted by name; documents are blocks of non-blank lines, a blank line ends one):
-  a large file is cut at blank lines into byte ranges, small files are grouped (:func:`text_dir_pieces`);
+* a directory of text files (sorted by name) in one of three :data:`LAYOUTS`: ``blank-lines`` (``*.txt``, a
+  document is a block of non-blank lines, Google's ``create_pretraining_data.py`` layout), ``lines`` (``*.txt``, one
+  document per line, NVIDIA's formatted Wikipedia and BooksCorpus) or ``jsonl`` (``*.jsonl``, one JSON object per
+  line, its text under a field): a large file is cut at document ends into byte ranges, small files are grouped
+  (:func:`text_dir_pieces`). A document longer than :data:`MAX_DOCUMENT_PIECES` pieces is refused by name (the
+  evident sign of a wrong layout), so a piece stays under 6.5 pieces' bytes whatever the input;
 * a ``datasets`` dataset saved with ``save_to_disk`` (one row, one document; a ``DatasetDict``'s "train" split): rows
   in ranges, read from its memory-mapped Arrow files (:func:`hf_dataset_pieces`);
 * documents already in memory, such as an embedded corpus (:func:`document_pieces`).
@@ -17,23 +21,54 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
+import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import data
 
 Document = data.Document
+LAYOUTS = ("blank-lines", "lines", "jsonl")
+"""How documents lie in text files: blocks of lines ended by a blank line, one per line, one JSON object per line."""
+SUFFIXES = {"blank-lines": "*.txt", "lines": "*.txt", "jsonl": "*.jsonl"}
+MAX_DOCUMENT_PIECES = 4
+"""The longest document taken, in pieces (``--shard-mb``): past it, a document end is looked for in vain, and the
+layout is evidently not the file's (a file of one document per line read as blank-line separated, say)."""
+
+
+def layout_documents(text: str, layout: str, field: str = "text") -> list[Document]:
+    """The documents (lists of sentences) of ``text`` laid out as ``layout`` (``field``: a JSON line's text; a
+    ``ValueError`` for a line that is not a JSON object with it)."""
+    if layout == "blank-lines":
+        return data.text_documents(text)
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if layout == "jsonl":
+            try:
+                line = json.loads(line)[field]
+            except (json.JSONDecodeError, TypeError, KeyError) as error:
+                raise ValueError(f"line {number}: not a JSON object with a {field!r} text field ({error})") from None
+            if not isinstance(line, str):
+                raise ValueError(f"line {number}: its {field!r} field holds {type(line).__name__}, not text")
+        if sentences := _row_sentences(line):
+            documents.append(sentences)
+    return documents
 
 
 @dataclass(frozen=True)
 class TextRanges:
-    """Byte ranges ``(path, start, end)`` of text files, each starting at a document (file start or after a blank
-    line) and ending at one."""
+    """Byte ranges ``(path, start, end)`` of text files, each starting at a document and ending at one, laid out as
+    ``layout`` (``field``: the text's field in a JSON line)."""
 
     ranges: tuple[tuple[str, int, int], ...]
+    layout: str = "blank-lines"
+    field: str = "text"
 
     def read(self) -> tuple[list[Document], str]:
         documents, digest = [], hashlib.sha256()
@@ -48,7 +83,10 @@ class TextRanges:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(f"{path}: not UTF-8 text at byte {start + error.start} ({error.reason})") from None
-            documents.extend(data.text_documents(text))
+            try:
+                documents.extend(layout_documents(text, self.layout, self.field))
+            except ValueError as error:
+                raise ValueError(f"{path} (bytes {start}-{end}): {error}") from None
         return documents, digest.hexdigest()
 
     def describe(self, root: Path) -> list[list[Any]]:
@@ -57,19 +95,29 @@ class TextRanges:
 
 @dataclass(frozen=True)
 class DatasetRows:
-    """Rows ``[start, stop)`` of a saved ``datasets`` dataset's text column."""
+    """Rows ``[start, stop)`` of a saved ``datasets`` dataset's text column: a row a document, or, for datasets
+    whose rows are sentences, ``group_rows`` consecutive rows a document, or the consecutive rows sharing a value
+    of ``document_column`` (a document cut by a piece's end becomes two)."""
 
     path: str
     column: str
     start: int
     stop: int
+    group_rows: int = 1
+    document_column: Optional[str] = None
 
     def read(self) -> tuple[list[Document], str]:
-        texts = _train_split(self.path, self.column)[self.start : self.stop][self.column]
+        rows = _train_split(self.path, self.column)[self.start : self.stop]
+        texts = rows[self.column]
         digest = hashlib.sha256()
         for text in texts:
             digest.update((text or "").encode("utf-8") + b"\0")
-        documents = [sentences for text in texts if text and (sentences := _row_sentences(text))]
+        if self.document_column is not None:
+            ids = rows[self.document_column]
+            groups = [[t for t, _ in run] for _, run in itertools.groupby(zip(texts, ids), key=lambda row: row[1])]
+        else:
+            groups = [texts[i : i + self.group_rows] for i in range(0, len(texts), self.group_rows)]
+        documents = [doc for group in groups if (doc := [s for t in group if t for s in _row_sentences(t)])]
         return documents, digest.hexdigest()
 
     def describe(self, root: Path) -> list[Any]:
@@ -113,18 +161,29 @@ def _row_sentences(text: str) -> Document:
 # --------------------------------------------------------------------------- text files
 
 
-def _cut_points(path: Path, size: int, piece_bytes: int) -> list[int]:
-    """Offsets cutting a file into ranges of about ``piece_bytes``, each cut just after a blank line (a document's
-    end); the file's start and end included. A last range under half a piece joins the one before it."""
-    cuts = [0]
+def _cut_points(path: Path, size: int, piece_bytes: int, layout: str = "blank-lines") -> list[int]:
+    """Offsets cutting a file into ranges of about ``piece_bytes``, each cut just after a document's end (a blank
+    line; for one document per line, any line's end); the file's start and end included. A last range under half a
+    piece joins the one before it. A document end looked for over :data:`MAX_DOCUMENT_PIECES` pieces in vain is a
+    ``ValueError`` naming the file and the layout."""
+    cuts, longest = [0], MAX_DOCUMENT_PIECES * piece_bytes
     with path.open("rb") as file:
         while cuts[-1] + piece_bytes < size:
             file.seek(cuts[-1] + piece_bytes)
-            file.readline()  # the rest of the line the seek landed in
-            while line := file.readline():
+            file.readline(longest)  # the rest of the line the seek landed in (a line read at most this far)
+            while layout == "blank-lines" and (line := file.readline(longest)):
                 if not line.strip():
                     break
+                if file.tell() - cuts[-1] - piece_bytes > longest:
+                    break
             position = file.tell()
+            if position - cuts[-1] - piece_bytes > longest:
+                what = "blank line" if layout == "blank-lines" else "line end"
+                raise ValueError(
+                    f"{path}: no {what} in the {longest / 1e6:.0f} MB from byte {cuts[-1] + piece_bytes} (a document "
+                    f"over {MAX_DOCUMENT_PIECES} x --shard-mb): "
+                    + ("one document per line takes --layout lines" if layout == "blank-lines" else "not text lines")
+                )
             if position >= size:
                 break
             cuts.append(position)
@@ -133,20 +192,25 @@ def _cut_points(path: Path, size: int, piece_bytes: int) -> list[int]:
     return [*cuts, size]
 
 
-def text_dir_pieces(root: str | os.PathLike, piece_bytes: int) -> list[Piece]:
-    """The pieces of a directory of ``*.txt`` files: large files cut at blank lines, small ones grouped, in name
-    order, each piece about ``piece_bytes`` (a last range under half a piece joins the one before it)."""
+def text_dir_pieces(
+    root: str | os.PathLike, piece_bytes: int, layout: str = "blank-lines", field: str = "text"
+) -> list[Piece]:
+    """The pieces of a directory of text files laid out as ``layout`` (:data:`SUFFIXES`): large files cut at
+    document ends, small ones grouped, in name order, each piece about ``piece_bytes`` (a last range under half a
+    piece joins the one before it)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"text corpus directory {str(root)!r} does not exist")
-    files = sorted(path for path in root.glob("*.txt") if path.is_file())
+    files = sorted(path for path in root.glob(SUFFIXES[layout]) if path.is_file())
     if not files:
-        raise FileNotFoundError(f"no .txt files in {str(root)!r}")
+        raise FileNotFoundError(f"no {SUFFIXES[layout].removeprefix('*')} files in {str(root)!r}")
     groups: list[list[tuple[str, int, int]]] = [[]]
     sizes = [0]  # each group's bytes, kept as it grows: grouping is linear in the number of files
     for path in files:
         size = path.stat().st_size
-        cuts = _cut_points(path, size, piece_bytes)
+        cuts = _cut_points(path, size, piece_bytes, layout)
         for start, end in zip(cuts, cuts[1:]):
             if sizes[-1] >= piece_bytes:
                 groups.append([])
@@ -156,14 +220,16 @@ def text_dir_pieces(root: str | os.PathLike, piece_bytes: int) -> list[Piece]:
     if len(groups) > 1 and sizes[-1] < piece_bytes // 2:
         groups[-2].extend(groups.pop())  # a small remainder joins the piece before it
         sizes[-2] += sizes.pop()
-    return [Piece(index, TextRanges(tuple(ranges)), sizes[index]) for index, ranges in enumerate(groups)]
+    return [
+        Piece(index, TextRanges(tuple(ranges), layout, field), sizes[index]) for index, ranges in enumerate(groups)
+    ]
 
 
-def text_dir_identity(root: str | os.PathLike) -> list[list[Any]]:
+def text_dir_identity(root: str | os.PathLike, layout: str = "blank-lines") -> list[list[Any]]:
     """What a text directory's pieces depend on: each file's name, size and modification time."""
     return [
         [path.name, path.stat().st_size, path.stat().st_mtime_ns]
-        for path in sorted(Path(root).glob("*.txt"))
+        for path in sorted(Path(root).glob(SUFFIXES[layout]))
         if path.is_file()
     ]
 
@@ -195,18 +261,25 @@ def _train_split(path: str, column: str) -> Any:
     return loaded
 
 
-def hf_dataset_pieces(path: str | os.PathLike, column: str, piece_bytes: int) -> list[Piece]:
+def hf_dataset_pieces(
+    path: str | os.PathLike, column: str, piece_bytes: int, group_rows: int = 1, document_column: Optional[str] = None
+) -> list[Piece]:
     """The pieces of a saved dataset: equal row ranges holding about ``piece_bytes`` of text each (from the Arrow
-    size of its text column)."""
+    size of its text column), each a whole number of ``group_rows`` groups (:class:`DatasetRows`)."""
     dataset = _train_split(str(path), column)
     rows = len(dataset)
     if rows == 0:
         raise ValueError(f"dataset at {str(path)!r} has no rows")
+    if document_column is not None and document_column not in dataset.column_names:
+        raise ValueError(f"dataset at {path!r} has no column {document_column!r} (columns: {dataset.column_names})")
     text_bytes = dataset.data.column(column).nbytes
     per_piece = max(1, math.ceil(rows * piece_bytes / max(text_bytes, 1)))
+    per_piece = math.ceil(per_piece / group_rows) * group_rows
     return [
         Piece(
-            index, DatasetRows(str(path), column, start, min(start + per_piece, rows)), text_bytes * per_piece // rows
+            index,
+            DatasetRows(str(path), column, start, min(start + per_piece, rows), group_rows, document_column),
+            text_bytes * per_piece // rows,
         )
         for index, start in enumerate(range(0, rows, per_piece))
     ]
