@@ -227,16 +227,32 @@ def test_shards_truncated_while_two_ranks_train_stop_both_naming_the_file(
 
 
 def test_a_corrupt_nvidia_file_stops_both_ranks_naming_it(hdf5_dir: Path, tmp_path: Path) -> None:
-    """An NVIDIA training file whose gzip data is corrupt past a readable header passes the start-up check and is
-    found when a rank first reads it: both ranks exit 1 (before, one rank's loader failed and the other waited),
-    within 60 s, rank 0's stderr naming the file."""
+    """An NVIDIA training file whose gzip data is corrupt past a readable header: found by the first launch's one
+    reading of every file (each rank a share; before, only the headers were read), both ranks exit 2 before step 1
+    naming it. Corrupted while 2 ranks train on files that launch checked and stamped, it is found when a rank
+    next reads it: both ranks exit 1 within 60 s, rank 0's stderr naming it (before, one rank's loader failed and
+    the other waited)."""
     copy = shutil.copytree(hdf5_dir, tmp_path / "hdf5")
     corrupt_chunk(copy / "wiki_training_1.hdf5", "masked_lm_ids")
-    ended, _ = _two_ranks(small_config(tmp_path), tmp_path / "out", ["--nvidia-hdf5", str(copy)])
-    assert [e.code for e in ended] == [1, 1], [e.output[-2000:] for e in ended]
-    assert all(e.seconds < 60 for e in ended), [e.seconds for e in ended]
+    config = small_config(tmp_path)
+    ended, _ = _two_ranks(config, tmp_path / "refused", ["--nvidia-hdf5", str(copy)])
+    assert [e.code for e in ended] == [2, 2], [e.output[-2000:] for e in ended]
     errors = [line for line in ended[0].output.splitlines() if line.startswith("pretrain.py: error: ")]
     assert len(errors) == 1 and "wiki_training_1.hdf5: cannot read its arrays" in errors[0], errors
+
+    shutil.rmtree(copy)
+    copy = shutil.copytree(hdf5_dir, tmp_path / "hdf5")
+
+    def corrupt() -> None:
+        for path in copy.glob("*_training_*.hdf5"):
+            corrupt_chunk(path, "masked_lm_ids")
+
+    ended, damaged = _two_ranks(config, tmp_path / "out", ["--nvidia-hdf5", str(copy)], corrupt)
+    assert damaged > 0, "the run ended before the damage"
+    assert [e.code for e in ended] == [1, 1], [e.output[-2000:] for e in ended]
+    assert all(e.seconds - damaged < 60 for e in ended), [(e.seconds, damaged) for e in ended]
+    errors = [line for line in ended[0].output.splitlines() if line.startswith("pretrain.py: error: ")]
+    assert len(errors) == 1 and re.search(r"wiki_training_\d\.hdf5: cannot read its arrays", errors[0]), errors
 
 
 # --------------------------------------------------------------------------- what a checkpoint pins

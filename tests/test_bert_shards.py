@@ -28,6 +28,7 @@ import prepare  # noqa: E402
 import shard_jobs  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
+import stamps  # noqa: E402
 
 SEQ = 64
 
@@ -40,7 +41,7 @@ def test_pair_order_is_the_examples_recorded_order() -> None:
     ``torch.randperm`` (seed ``seed * 7919 + epoch``), the step's slice laid out as (accumulation, rank, micro-batch)
     (and in int32, the same permutation as in int64)."""
     count, micro, accum, world, seed = 1000, 8, 2, 2, 3
-    orders = [loading.PairOrder(count, micro, accum, world, rank, seed) for rank in range(world)]
+    orders = [loading.PairOrder(count, micro, accum, world, rank, seed, "randperm") for rank in range(world)]
     global_batch = micro * accum * world
     for step in (0, 1, 30, 31, 62, 100):
         epoch, position = divmod(step, count // global_batch)
@@ -51,14 +52,16 @@ def test_pair_order_is_the_examples_recorded_order() -> None:
     assert loading.epoch_order(count, 5).dtype == np.int32
 
 
-def test_pair_order_is_the_same_global_batch_at_every_world_size() -> None:
+@pytest.mark.parametrize("kind", loading.ORDERS)
+def test_pair_order_is_the_same_global_batch_at_every_world_size(kind: str) -> None:
     """A step's global batch is a function of (seed, step) alone: 1, 2 and 4 ranks with the same global batch of 32
     train on the same pairs in every step, and in the same order (accumulation, then rank, then micro-batch); an
     epoch never repeats a pair and leaves out only its last partial batch; a resume at step s reproduces step s."""
     count, seed = 1000, 7
 
     def global_batches(world: int, accum: int) -> list[list[int]]:
-        orders = [loading.PairOrder(count, 32 // (world * accum), accum, world, rank, seed) for rank in range(world)]
+        micro = 32 // (world * accum)
+        orders = [loading.PairOrder(count, micro, accum, world, rank, seed, kind) for rank in range(world)]
         steps = []
         for step in range(70):
             per_rank = [order.step(step) for order in orders]
@@ -73,13 +76,27 @@ def test_pair_order_is_the_same_global_batch_at_every_world_size() -> None:
     first_epoch = [i for batch in reference[:steps_per_epoch] for i in batch]
     assert len(set(first_epoch)) == len(first_epoch) == steps_per_epoch * 32
     assert reference[steps_per_epoch] != reference[0]  # the next epoch draws another order
-    assert loading.StepKeys(loading.PairOrder(count, 8, 2, 2, 1, seed), 40, 42).__len__() == 4
-    assert list(loading.StepKeys(loading.PairOrder(count, 8, 2, 2, 1, seed), 40, 42)) == [
-        *loading.PairOrder(count, 8, 2, 2, 1, seed).step(40),
-        *loading.PairOrder(count, 8, 2, 2, 1, seed).step(41),
+    assert loading.StepKeys(loading.PairOrder(count, 8, 2, 2, 1, seed, kind), 40, 42).__len__() == 4
+    assert list(loading.StepKeys(loading.PairOrder(count, 8, 2, 2, 1, seed, kind), 40, 42)) == [
+        *loading.PairOrder(count, 8, 2, 2, 1, seed, kind).step(40),
+        *loading.PairOrder(count, 8, 2, 2, 1, seed, kind).step(41),
     ]
     with pytest.raises(ValueError, match="cannot fill one global batch of 32"):
         loading.PairOrder(31, 8, 2, 2, 0, seed)
+
+
+def test_keyed_permutation_is_a_bijection_of_the_range_and_holds_nothing_of_it() -> None:
+    """The keyed order maps ``range(count)`` onto itself one to one, for counts at and between powers of two; another
+    seed gives another order, the same seed the same one from any slice of positions (a step needs its own only)."""
+    for count in (1, 2, 3, 5, 64, 100, 1000, 4097, 65_537):
+        image = loading.keyed_permutation(np.arange(count), count, seed=11)
+        assert np.array_equal(np.sort(image), np.arange(count)), count
+        assert np.array_equal(loading.keyed_permutation(np.arange(count)[count // 3 :], count, 11), image[count // 3 :])
+    other = loading.keyed_permutation(np.arange(1000), 1000, seed=12)
+    assert not np.array_equal(other, loading.keyed_permutation(np.arange(1000), 1000, seed=11))
+    assert abs(np.corrcoef(other, np.arange(1000))[0, 1]) < 0.1  # no trace of the identity
+    big = loading.keyed_permutation(np.array([0, 10**9 + 6]), 10**9 + 7, seed=3)  # far past any held table
+    assert len(set(big.tolist())) == 2 and big.max() < 10**9 + 7
 
 
 def test_held_out_keys_take_the_front_of_every_shard() -> None:
@@ -310,7 +327,9 @@ def test_an_interrupted_preparation_resumes_with_the_missing_shards(
     assert redone == [2, 3]
     assert {name: (out / name / "tokens.npy").stat().st_mtime_ns for name in written} == kept
     assert manifest == json.loads((prepared / shards.MANIFEST).read_text())
-    assert [p.name for p in out.glob(".*")] == [out_dir.LOCK]  # nothing temporary left; the lock file stays
+    assert sorted(p.name for p in out.glob(".*")) == [out_dir.LOCK, stamps.NAME]  # nothing temporary left
+    stamped = stamps.Stamp(out, manifest["digest"]).entries()
+    assert sorted(stamped) == ["shard-00002", "shard-00003"]  # verified as written; the kept ones at first launch
 
 
 _real = prepare.prepare_shard
@@ -383,8 +402,8 @@ def test_bad_shards_are_refused_before_training_naming_file_and_cause(copy: Path
     flipped[-1] ^= 1
     tokens.write_bytes(bytes(flipped))
     opened = shards.ShardSet.open(copy, SEQ, 600)  # the sizes agree: the contents are what differ
-    assert opened.verify(0, 2) == [] and len(opened.verify(1, 2)) == 1
-    assert "shard-00001: its arrays do not match the manifest's digest" in opened.verify(1, 2)[0]
+    assert opened.verify(opened.names[0::2]) == [] and len(opened.verify(opened.names[1::2])) == 1
+    assert "shard-00001: its arrays do not match the manifest's digest" in opened.verify()[0]
     tokens.write_bytes(original)
 
     manifest = _manifest(copy)

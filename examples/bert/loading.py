@@ -1,14 +1,18 @@
 """Training batches from prepared shards: the sample order, the micro-batches a rank trains on, the loader workers.
 
-The order of an epoch is ``torch.randperm`` of the global pair indices from a generator seeded ``seed * 7919 +
-epoch`` (:func:`epoch_order`: the order this example has always drawn, so its recorded runs are reproduced), held as
-int32 while the epoch lasts: 4 bytes a training pair, the one thing a rank holds that grows with the corpus (48 MB
-at 12.1 million pairs; PyTorch's ``DistributedSampler`` holds a Python list of them, about 36 bytes a pair). Step
-``s`` of epoch ``s // steps_per_epoch`` takes the next global batch of positions, laid out as (accumulation, rank,
-micro-batch) (:class:`PairOrder`), so a micro-batch's pairs are a function of (seed, step, rank) and the global batch
-of a step a function of (seed, step) alone: ``--resume`` continues exactly, and a resume at another world size with
-the same global batch trains on the same pairs in every step. Reading, masking and collation run in ``DataLoader``
-workers that prefetch whole micro-batches (:func:`loader`), so the step does not wait on data.
+An epoch's order is a permutation of the global pair indices, of one of two kinds (:data:`ORDERS`, the switch
+``pretrain.py --sample-order``): ``keyed``, the default for prepared shards, a keyed bijection of ``range(count)``
+computed position by position (:func:`keyed_permutation`: a 4-round Feistel network over the next even power of two,
+cycle-walked into the range), so a rank holds nothing that grows with the corpus; and ``randperm``, the embedded
+corpus's, ``torch.randperm`` from a generator seeded ``seed * 7919 + epoch`` (:func:`epoch_order`: the order this
+example has always drawn, so its recorded runs are reproduced), held as int32 while the epoch lasts (4 bytes a pair:
+48 MB at 12.1 million pairs, 1.2 GB at 100 GB of text; its values depend on torch's version, which its name in a
+checkpoint records). Either way, step ``s`` of epoch ``s // steps_per_epoch`` takes the next global batch of
+positions, laid out as (accumulation, rank, micro-batch) (:class:`PairOrder`), so a micro-batch's pairs are a
+function of (seed, step, rank) and the global batch of a step a function of (seed, step) alone: ``--resume``
+continues exactly, and a resume at another world size with the same global batch trains on the same pairs in every
+step. Reading, masking and collation run in ``DataLoader`` workers that prefetch whole micro-batches
+(:func:`loader`), so the step does not wait on data.
 """
 
 from __future__ import annotations
@@ -25,8 +29,14 @@ from torch.utils.data import DataLoader, Dataset
 
 Key = tuple[int, tuple[int, ...]]
 """A micro-batch: (epoch, the global indices of its pairs)."""
-ORDER = "randperm-7919"
-"""The sample order's kind, recorded in checkpoints (another order continues on other pairs)."""
+ORDERS = ("keyed", "randperm")
+"""The kinds of sample order (the module docstring)."""
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def order_name(kind: str) -> str:
+    """The order's name as checkpoints record it: its kind and the version of what computes it."""
+    return "keyed-feistel-1" if kind == "keyed" else f"randperm-7919-torch-{torch.__version__}"
 
 
 def epoch_order(count: int, seed: int) -> np.ndarray:
@@ -35,13 +45,43 @@ def epoch_order(count: int, seed: int) -> np.ndarray:
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed), dtype=dtype).numpy()
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 arrays (wrapping arithmetic): a well-spread hash of each value."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_permutation(positions: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """The images of ``positions`` under a bijection of ``range(count)`` keyed by ``seed``: a 4-round Feistel
+    network on ``2 * half`` bits (``4 ** half`` at most 4 ``count``), applied again to an image outside the range
+    until it falls inside (cycle walking keeps a bijection; at most 4 rounds trips on average). O(1) memory."""
+    half = max(1, (max(count - 1, 1).bit_length() + 1) // 2)
+    mask, shift = np.uint64((1 << half) - 1), np.uint64(half)
+    keys = _mix(np.arange(1, 5, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(seed % 2**64))
+    out = np.asarray(positions, dtype=np.uint64).copy()
+    walking = np.ones(len(out), dtype=bool)
+    while walking.any():
+        left, right = out[walking] >> shift, out[walking] & mask
+        for key in keys:
+            left, right = right, left ^ (_mix(right ^ key) & mask)
+        out[walking] = (left << shift) | right
+        walking = out >= np.uint64(count)
+    return out.astype(np.int64)
+
+
 class PairOrder:
     """Which pairs each micro-batch of one rank holds: ``micro`` per micro-batch, ``accum`` micro-batches per step,
-    ``world`` ranks; epoch ``e`` is :func:`epoch_order` seeded ``seed * 7919 + e``, its last partial global batch
-    unused."""
+    ``world`` ranks; epoch ``e`` is a permutation of the ``kind`` (:data:`ORDERS`) seeded ``seed * 7919 + e``, its
+    last partial global batch unused."""
 
-    def __init__(self, count: int, micro: int, accum: int, world: int, rank: int, seed: int) -> None:
+    def __init__(
+        self, count: int, micro: int, accum: int, world: int, rank: int, seed: int, kind: str = "keyed"
+    ) -> None:
+        if kind not in ORDERS:
+            raise ValueError(f"sample order {kind!r}: expected one of {', '.join(ORDERS)}")
         self.count, self.micro, self.accum, self.world, self.rank, self.seed = count, micro, accum, world, rank, seed
+        self.kind = kind
         self.global_batch = micro * accum * world
         self.steps_per_epoch = count // self.global_batch
         if self.steps_per_epoch == 0:
@@ -51,10 +91,14 @@ class PairOrder:
     def step(self, step: int) -> list[Key]:
         """The rank's micro-batches of optimizer step ``step`` (0-based), in accumulation order."""
         epoch, position = divmod(step, self.steps_per_epoch)
-        if self._epoch is None or self._epoch[0] != epoch:
-            self._epoch = None  # the last epoch's order is let go before the next is drawn
-            self._epoch = epoch, epoch_order(self.count, self.seed * 7919 + epoch)
-        batch = self._epoch[1][position * self.global_batch : (position + 1) * self.global_batch]
+        seed, window = self.seed * 7919 + epoch, slice(position * self.global_batch, (position + 1) * self.global_batch)
+        if self.kind == "keyed":
+            batch = keyed_permutation(np.arange(window.start, window.stop), self.count, seed)
+        else:
+            if self._epoch is None or self._epoch[0] != epoch:
+                self._epoch = None  # the last epoch's order is let go before the next is drawn
+                self._epoch = epoch, epoch_order(self.count, seed)
+            batch = self._epoch[1][window]
         rows = batch.reshape(self.accum, self.world, self.micro)[:, self.rank]
         return [(epoch, tuple(row.tolist())) for row in rows]
 

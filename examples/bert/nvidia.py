@@ -33,13 +33,13 @@ from typing import Any
 
 import faults
 import numpy as np
-from loading import Key, epoch_order
+from loading import Key, epoch_order, order_name
 from torch.utils.data import Dataset
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 PER_TOKEN = ("input_ids", "input_mask", "segment_ids")
 PER_PREDICTION = ("masked_lm_positions", "masked_lm_ids")
-ORDER = "nvidia-rounds-1"
+ORDER = f"nvidia-rounds-1, rows {order_name('randperm')}"
 """The file and row order's kind, recorded in checkpoints."""
 
 
@@ -182,6 +182,18 @@ def read_file(path: str) -> dict[str, np.ndarray]:
             return {key: np.asarray(handle[key][:]) for key in KEYS}
     except (OSError, ValueError, KeyError) as error:
         raise OSError(f"{path}: cannot read its arrays ({error})") from None
+
+
+def verify(files: list[File], vocab_size: int) -> list[str]:
+    """Problems found reading each of ``files`` whole: data that does not decompress, ids outside the vocabulary,
+    masked positions outside the sequence (each rank checks a share, once: ``pretrain.py`` stamps what passed)."""
+    problems = []
+    for file in files:
+        try:
+            check_values(file.path, read_file(file.path), vocab_size)
+        except (OSError, ValueError) as error:
+            problems.append(str(error))
+    return problems
 
 
 def check_values(path: str, arrays: dict[str, np.ndarray], vocab_size: int) -> None:

@@ -31,7 +31,7 @@ CONFIG = ROOT / "configs" / "bert_cpu_phase1_lamb.json"
 COMPLETE = "phase1-complete.json"
 EXAMPLE_FILES = (
     *("pretrain.py", "recipe.py", "faults.py", "data.py", "sources.py", "corpus.py", "prepare.py", "out_dir.py"),
-    *("shard_jobs.py", "shards.py", "loading.py"),
+    *("shard_jobs.py", "shards.py", "loading.py", "run_data.py"),
 )
 """The example's modules phase 1 runs: its loop and config, and the embedded corpus's way into shards and batches
 (not ``nvidia.py``, which only ``--nvidia-hdf5`` imports)."""

@@ -40,6 +40,7 @@ import data  # noqa: E402
 import recipe  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
+import stamps  # noqa: E402
 from corpus import Source, embedded_source, hf_dataset_source, text_dir_source  # noqa: E402
 from out_dir import locked, tokenizer_for  # noqa: E402
 from shard_jobs import Job, Settings, in_workers, prepare_shard  # noqa: E402
@@ -132,6 +133,9 @@ def _prepare(
     bar.close()
     manifest = _manifest(source, settings, tokenizer, [records[i] for i in range(len(source.pieces))])
     shards.write_json(out / shards.MANIFEST, manifest)
+    written = [shards.shard_name(job.piece.index) for job in jobs]  # their digests were computed from disk just now
+    arrays = {name: [out / name / file for file in shards.ARRAYS] for name in written}
+    stamps.Stamp(out, manifest["digest"]).write(stamps.identities(arrays))
     seconds = time.perf_counter() - started
     totals = manifest["totals"]
     print(

@@ -48,30 +48,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import Dataset
 from tqdm import tqdm
-from transformers import BertConfig, BertForPreTraining, PreTrainedTokenizerFast
+from transformers import BertConfig, BertForPreTraining
 
 sys.path.insert(0, str(Path(__file__).parent))
 import data  # noqa: E402
 import faults  # noqa: E402
 import loading  # noqa: E402
-import prepare  # noqa: E402
 import recipe  # noqa: E402
 import report  # noqa: E402
+import run_data  # noqa: E402
 import shards  # noqa: E402
 
 import ds_kfac  # noqa: E402
@@ -79,15 +75,6 @@ import ds_kfac  # noqa: E402
 T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[2]
-PREPARATION_CODE = hashlib.sha256(
-    b"".join(
-        (Path(__file__).parent / f).read_bytes()
-        for f in ("data.py", "sources.py", "corpus.py", "out_dir.py", "shards.py", "shard_jobs.py", "prepare.py")
-    )
-).hexdigest()
-"""Keys the embedded corpus's prepared shards with the code that prepares them."""
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=Path, help="prepared shards (examples/bert/prepare.py)")
@@ -140,6 +127,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the embedded corpus's preparation: held-out split, tokenizer sample, sentence pairs (fixed across --seed)",
     )
+    parser.add_argument(
+        "--sample-order",
+        choices=loading.ORDERS,
+        help="the epochs' order of pairs (loading.py): 'keyed' (default with --shards: nothing held per pair) or "
+        "'randperm' (default for the embedded corpus: the order its recorded runs drew, 4 bytes a pair)",
+    )
+    parser.add_argument(
+        "--verify-data",
+        action="store_true",
+        help="check every shard's contents against the manifest, not only those no verification stamp covers",
+    )
     parser.add_argument("--loader-workers", type=int, default=1, help="processes reading and collating micro-batches")
     parser.add_argument("--prefetch", type=int, default=4, help="micro-batches each loader worker makes ahead")
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -176,165 +174,6 @@ def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
         return max(0.0, 1.0 - (step - warmup) / max(1, max_steps - warmup)) ** power
 
     return factor
-
-
-def rank_zero_first(build: Callable[[], T]) -> T:
-    """``build()`` on rank 0, then on the other ranks: rank 0 fills a cache the others read. Rank 0's failure
-    (bad input) is every rank's (:class:`faults.DataFault`), none left waiting for it."""
-    result, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = build()
-        except (ValueError, OSError) as caught:  # ShardError and ConfigError included
-            error = str(caught)
-    faults.agree(error)
-    return build() if dist.get_rank() != 0 else result
-
-
-# --------------------------------------------------------------------------- data
-
-
-def embedded_shards(args: argparse.Namespace, bert: dict[str, Any], cache: Path, given: Any) -> Path:
-    """The embedded corpus prepared into shards under ``cache/shards/`` (rank 0 prepares, once; keyed by the corpus
-    name and its sources' versions, the preparing code, the settings and the tokenizer, without building the
-    corpus). With a tokenizer given (phase 2 takes phase 1's), the shards prepared with the trained one serve when
-    it is that one."""
-    settings = prepare.Settings(bert["max_seq_length"], held_out_fraction=args.held_out_fraction, seed=args.data_seed)
-
-    def directory(tokenizer: str) -> Path:
-        identity = [args.corpus, data.corpus_sources(args.corpus), PREPARATION_CODE, asdict(settings)]
-        key = json.dumps([*identity, bert["vocab_size"], tokenizer])
-        return cache / "shards" / hashlib.sha256(key.encode()).hexdigest()[:16]
-
-    out, train_one = directory("trained"), True
-    if given is not None:
-        trained, wanted = out / shards.MANIFEST, shards.tokenizer_digest(given)
-        if not (trained.is_file() and shards.read_json(trained, "manifest")["tokenizer"]["digest"] == wanted):
-            out, train_one = directory(wanted), False
-
-    def build() -> Path:
-        if not (out / shards.MANIFEST).is_file():
-            source = prepare.embedded_source(args.corpus, cache / "corpus-cache", prepare.PIECE_BYTES)
-            prepare.prepare(source, out, settings, bert["vocab_size"], None if train_one else given, progress=False)
-        return out
-
-    return rank_zero_first(build)
-
-
-class ShardSource:
-    """Prepared shards, checked (settings, sizes, and each rank's share of the contents) when opened."""
-
-    def __init__(self, args: argparse.Namespace, bert: dict[str, Any], root: Path, given: Any) -> None:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.args = args
-        self.shards = shards.ShardSet.open(root, bert["max_seq_length"], bert["vocab_size"], given)
-        problems: list[list[str]] = [[] for _ in range(world)]
-        dist.all_gather_object(problems, self.shards.verify(rank, world))
-        if any(problems):
-            raise shards.ShardError("; ".join(p for found in problems for p in found))
-        self.tokenizer: Optional[PreTrainedTokenizerFast] = given or self.shards.tokenizer()
-        self.vocab_size = len(self.tokenizer)
-        manifest = self.shards.manifest
-        self.pins = {
-            "data": manifest["digest"],
-            "vocabulary": f"tokenizer {manifest['tokenizer']['digest']}",
-            "order": loading.ORDER,
-        }
-        """What a checkpoint records of the data (``--resume`` and phase 2 check it): see :func:`check_pins`."""
-        self.record = {
-            **{key: value for key, value in manifest["source"].items() if key != "files"},
-            "shards": str(root),
-            "text_digest": manifest["text_digest"],
-            "manifest_digest": manifest["digest"],
-            **manifest["totals"],
-            "max_seq_length": manifest["max_seq_length"],
-            "vocab_size": self.vocab_size,
-        }
-
-    def batches(self, micro: int, accum: int) -> tuple[Dataset, Any, list[dict[str, torch.Tensor]]]:
-        """(the training micro-batches by key, the keys of each step's, the held-out micro-batches)."""
-        args, tokenizer = self.args, self.tokenizer
-        vocab, cls_id, sep_id = data.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
-        train = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.seed, "train")
-        held = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.data_seed + 1, "held_out")
-        keys = loading.held_out_keys(self.shards.starts["held_out"], args.eval_batches * micro, micro)
-        order = loading.PairOrder(len(self.shards), micro, accum, dist.get_world_size(), dist.get_rank(), args.seed)
-        return train, order, loading.held_out(held, keys)
-
-
-class NvidiaSource:
-    """NVIDIA's HDF5 shards (``nvidia.py``), every file's layout checked when opened."""
-
-    def __init__(self, args: argparse.Namespace, bert: dict[str, Any]) -> None:
-        import nvidia  # only this source needs h5py
-
-        self.nvidia, self.args = nvidia, args
-        self.training, self.test = nvidia.discover(args.nvidia_hdf5, bert["max_seq_length"])
-        self.tokenizer: Optional[PreTrainedTokenizerFast] = None  # the ids are NVIDIA's vocabulary's
-        self.vocab_size = bert["vocab_size"]
-        files = json.dumps([(Path(f.path).name, f.rows) for f in self.training + self.test])
-        vocabulary = f"NVIDIA's ids, {self.vocab_size} tokens"
-        if args.tokenizer is not None:  # the tokenizer NVIDIA's ids come from, named by the user
-            given = PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer))
-            if len(given) != self.vocab_size:
-                raise ValueError(
-                    f"{args.tokenizer}: a {len(given)}-token vocabulary, the config's bert.vocab_size is "
-                    f"{self.vocab_size}"
-                )
-            vocabulary = f"tokenizer {shards.tokenizer_digest(given)}"
-        self.pins = {
-            "data": hashlib.sha256(files.encode()).hexdigest(),
-            "vocabulary": vocabulary,
-            "order": nvidia.ORDER,
-        }
-        self.record = {
-            "nvidia_hdf5": str(args.nvidia_hdf5),
-            "training_files": len(self.training),
-            "test_files": len(self.test),
-            "train_pairs": sum(f.rows for f in self.training),
-            "held_out_pairs": sum(f.rows for f in self.test),
-            "max_seq_length": bert["max_seq_length"],
-            "vocab_size": self.vocab_size,
-        }
-        if dist.get_rank() == 0 and not self.test:
-            print(f"{args.nvidia_hdf5} holds no test files (with 'test' in their names): no held-out evaluation")
-
-    def batches(self, micro: int, accum: int) -> tuple[Dataset, Any, list[dict[str, torch.Tensor]]]:
-        nvidia, seed = self.nvidia, self.args.seed
-        order = nvidia.NvidiaOrder(self.training, micro, accum, dist.get_world_size(), dist.get_rank(), seed)
-        held = nvidia.NvidiaBatches(self.test, self.vocab_size)
-        keys = nvidia.held_out_keys(self.test, self.args.eval_batches * micro, micro)
-        return nvidia.NvidiaBatches(self.training, self.vocab_size), order, loading.held_out(held, keys)
-
-
-def open_data(args: argparse.Namespace, bert: dict[str, Any], cache: Path) -> ShardSource | NvidiaSource:
-    """The run's data from ``--nvidia-hdf5``, ``--shards`` or the embedded corpus (prepared into shards)."""
-    if args.nvidia_hdf5 is not None:
-        return NvidiaSource(args, bert)
-    given = PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer)) if args.tokenizer is not None else None
-    root = args.shards if args.shards is not None else embedded_shards(args, bert, cache, given)
-    return ShardSource(args, bert, root, given)
-
-
-def check_pins(flag: str, client: dict[str, Any], pins: dict[str, Any], keys: tuple[str, ...], allow: bool) -> None:
-    """A ``ValueError`` naming what of ``keys`` differs between the checkpoint's recorded data (``client["data"]``)
-    and this run's ``pins``, unless ``allow`` (``--new-data``); a checkpoint that recorded none is said once."""
-    recorded = client.get("data")
-    if recorded is None:
-        if dist.get_rank() == 0:
-            print(f"{flag}: the checkpoint records no data identity (written by an older pretrain.py): not checked")
-        return
-    differ = [key for key in keys if recorded.get(key) != pins[key]]
-    if differ and not allow:
-
-        def short(value: Any) -> str:  # digests to their first 12 digits
-            return re.sub(r"[0-9a-f]{32,}", lambda digest: f"{digest.group()[:12]}...", str(value))
-
-        changed = ", ".join(f"{key} {short(recorded.get(key))} -> {short(pins[key])}" for key in differ)
-        raise ValueError(
-            f"{flag}: the checkpoint was trained on other data than this run's ({changed}): give the data it was "
-            f"trained on, or --new-data to go on with this on purpose"
-        )
 
 
 @contextlib.contextmanager
@@ -385,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         for key in ("max_steps", "eval_every", "vocab_size"):
             if getattr(args, key) is not None:
                 bert[key] = getattr(args, key)
-        found = open_data(args, bert, args.cache_dir or args.output_dir)
+        found = run_data.open_data(args, bert, args.cache_dir or args.output_dir)
     run_name = args.run_name or Path(args.deepspeed_config).stem
     run_dir = args.output_dir / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -424,13 +263,13 @@ def main(argv: list[str] | None = None) -> None:
             raise FileNotFoundError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
         start_step = client["step"]
         with refused_input():
-            check_pins("--resume", client, pins, tuple(pins), args.new_data)
+            run_data.check_pins("--resume", client, pins, tuple(pins), args.new_data)
     elif args.init_checkpoint is not None:
         path, client = engine.load_checkpoint(str(args.init_checkpoint), load_module_only=True)
         if path is None:
             raise FileNotFoundError(f"--init-checkpoint: no checkpoint in {args.init_checkpoint}")
         with refused_input():
-            check_pins("--init-checkpoint", client or {}, pins, ("vocabulary",), args.new_data)
+            run_data.check_pins("--init-checkpoint", client or {}, pins, ("vocabulary",), args.new_data)
 
     writer = report.MetricsWriter(run_dir / "metrics.csv", start_step) if rank == 0 else None
     kfac = getattr(engine, "kfac", None)

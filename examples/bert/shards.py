@@ -170,7 +170,10 @@ class ShardSet:
 
     def __init__(self, root: Path, manifest: dict[str, Any]) -> None:
         self.root = root
-        self.manifest = manifest
+        source = manifest["source"]  # its list of input files (one entry per file) is not held: counted instead
+        if "files" in source:
+            source = {**{k: v for k, v in source.items() if k != "files"}, "input_files": len(source["files"])}
+        self.manifest = {**manifest, "source": source}
         self.names = [shard["name"] for shard in manifest["shards"]]
         self.starts = {
             split: np.concatenate([[0], np.cumsum([shard[f"{split}_pairs"] for shard in manifest["shards"]])])
@@ -239,14 +242,19 @@ class ShardSet:
                     raise ShardError(f"{directory / file}: {cause}")
         return cls(root, manifest)
 
-    def verify(self, rank: int = 0, world: int = 1) -> list[str]:
-        """Problems found checking the contents of every ``world``-th shard from ``rank`` against the manifest's
-        digests (each rank reads a share; gather the lists to refuse the run everywhere)."""
+    def items(self) -> dict[str, list[Path]]:
+        """Each shard's arrays, by shard name (what a verification stamp records: :mod:`stamps`)."""
+        return {name: [self.root / name / file for file in ARRAYS] for name in self.names}
+
+    def verify(self, names: Optional[list[str]] = None) -> list[str]:
+        """Problems found checking the contents of the shards ``names`` (default: all) against the manifest's
+        digests (each rank checks a share; gather the lists to refuse the run everywhere)."""
+        digests = {shard["name"]: shard["digest"] for shard in self.manifest["shards"]}
         problems = []
-        for shard in self.manifest["shards"][rank::world]:
-            if files_digest(self.root / shard["name"]) != shard["digest"]:
+        for name in self.names if names is None else names:
+            if files_digest(self.root / name) != digests[name]:
                 problems.append(
-                    f"{self.root / shard['name']}: its arrays do not match the manifest's digest (changed after "
+                    f"{self.root / name}: its arrays do not match the manifest's digest (changed after "
                     f"preparation): prepare the shards again"
                 )
         return problems
