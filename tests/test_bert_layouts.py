@@ -132,3 +132,19 @@ def test_prepare_prints_the_pairs_label_rate_and_fill(tmp_path: Path, capsys) ->
     fill = totals["pair_tokens"] / totals["train_pairs"] / SEQ
     assert f"({rate:.1%} with a random B, sequences {fill:.1%} full on average)" in out, out
     assert manifest["source"]["layout"] == "lines" and manifest["format"] == shards.FORMAT == 2
+
+
+def test_the_tokenizer_sample_is_drawn_across_the_whole_corpus(tmp_path: Path) -> None:
+    """Ten ``books_*`` pieces then ten ``wiki_*`` ones, a sample of four pieces' text: one piece from each quarter
+    of the corpus, so both halves are seen (before: pieces drawn with the seed until the sample was full, which
+    could all be books); a corpus no larger than the sample gives all its pieces."""
+    import out_dir
+
+    size = 1000
+    pieces = [sources.Piece(i, sources.InMemory(tuple(map(tuple, documents(5, i)))), size) for i in range(20)]
+    source = prepare.Source(pieces, {"test": "books then wiki"}, tmp_path)  # pieces 0-9 books, 10-19 wiki
+    settings = prepare.Settings(SEQ)
+    for seed in range(5):
+        chosen = out_dir.sample_sentences(source, prepare.Settings(SEQ, seed=seed), 4 * size)
+        assert [piece.index // 5 for piece in chosen] == [0, 1, 2, 3]
+    assert out_dir.sample_sentences(source, settings, 10**9) == source.pieces

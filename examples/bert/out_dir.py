@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import random
 import shutil
@@ -30,16 +31,15 @@ TOKENIZER_KEY = "preparation.json"
 
 
 def sample_sentences(source: Source, settings: Settings, sample_bytes: int) -> list[sources.Piece]:
-    """The pieces whose training documents train the tokenizer: drawn with the seed until ``sample_bytes`` of text."""
-    order = list(range(len(source.pieces)))
-    random.Random(f"{settings.seed}:tokenizer").shuffle(order)
-    chosen, total = [], 0
-    for index in order:
-        if total >= sample_bytes:
-            break
-        chosen.append(source.pieces[index])
-        total += source.pieces[index].text_bytes
-    return sorted(chosen, key=lambda piece: piece.index)
+    """The pieces whose training documents train the tokenizer, about ``sample_bytes`` of text drawn across the
+    whole corpus: the pieces, in order, cut into as many runs as the sample needs pieces, and one piece drawn with
+    the seed from each run (a corpus of ``books_*`` then ``wiki_*`` files gives both; all of a corpus no larger than
+    the sample)."""
+    pieces = source.pieces
+    mean = sum(piece.text_bytes for piece in pieces) / len(pieces)
+    runs = min(len(pieces), max(1, math.ceil(sample_bytes / max(mean, 1.0))))
+    rng = random.Random(f"{settings.seed}:tokenizer")
+    return [pieces[rng.randrange(len(pieces) * i // runs, len(pieces) * (i + 1) // runs)] for i in range(runs)]
 
 
 def tokenizer_for(
