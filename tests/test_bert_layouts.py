@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples/bert"))
+import data  # noqa: E402
 import prepare  # noqa: E402
 import shard_jobs  # noqa: E402
 import shards  # noqa: E402
@@ -148,3 +150,46 @@ def test_the_tokenizer_sample_is_drawn_across_the_whole_corpus(tmp_path: Path) -
         chosen = out_dir.sample_sentences(source, prepare.Settings(SEQ, seed=seed), 4 * size)
         assert [piece.index // 5 for piece in chosen] == [0, 1, 2, 3]
     assert out_dir.sample_sentences(source, settings, 10**9) == source.pieces
+
+
+def test_dupe_factor_pairs_the_same_tokens_again(tmp_path: Path) -> None:
+    """``dupe_factor`` 3: the same tokens, and pairs that are the single pairing's followed by two more drawn
+    otherwise (NVIDIA's files hold 5 such pairings); the held-out pairs are paired once."""
+    root = write(tmp_path / "text", documents(300, seed=4), "lines")
+    source = prepare.text_dir_source(root, 1 << 30, "lines")
+    made = {}
+    for dupe in (1, 3):
+        settings = prepare.Settings(SEQ, held_out_fraction=0.1, dupe_factor=dupe)
+        prepare.prepare(source, tmp_path / f"d{dupe}", settings, 200, sample_bytes=1 << 30, progress=False)
+        made[dupe] = {name: np.load(tmp_path / f"d{dupe}" / "shard-00000" / name) for name in shards.ARRAYS}
+    one, three = made[1], made[3]
+    assert np.array_equal(one["tokens.npy"], three["tokens.npy"])
+    assert np.array_equal(one["held_out_pairs.npy"], three["held_out_pairs.npy"])
+    first = len(one["pairs.npy"])
+    assert np.array_equal(three["pairs.npy"][:first], one["pairs.npy"]) and 2.5 * first < len(three["pairs.npy"])
+    assert not np.array_equal(three["pairs.npy"][first : 2 * first], one["pairs.npy"])
+
+
+def test_phase_2_from_phase_1s_tokens_is_the_full_preparation_without_the_text(tmp_path: Path) -> None:
+    """``prepare.py --from-shards PHASE1`` at phase 2's sequence length pairs phase 1's tokens again: the shards'
+    arrays are those a full preparation of the same text at that length (phase 1's tokenizer, seed and split)
+    makes, with the text gone (nothing read, nothing tokenized)."""
+    root = write(tmp_path / "text", data.stdlib_corpus()[:400], "blank-lines")
+    configs = {}
+    for seq in (SEQ, 128):
+        configs[seq] = tmp_path / f"seq{seq}.json"
+        configs[seq].write_text(json.dumps({"bert": {"max_seq_length": seq, "vocab_size": 600}}))
+    common = ["--shard-mb", "0.03", "--seed", "3", "--held-out-fraction", "0.2", "--tokenizer-sample-mb", "0.05"]
+    prepare.main(["--text-dir", str(root), "--deepspeed_config", str(configs[SEQ]), "--out", str(tmp_path / "p1"),
+                  *common])  # fmt: skip
+    tokenizer = tmp_path / "p1" / shards.TOKENIZER
+    prepare.main(["--text-dir", str(root), "--deepspeed_config", str(configs[128]), "--out", str(tmp_path / "full"),
+                  "--tokenizer", str(tokenizer), *common])  # fmt: skip
+    shutil.rmtree(root)
+    prepare.main(["--from-shards", str(tmp_path / "p1"), "--deepspeed_config", str(configs[128]), "--out",
+                  str(tmp_path / "p2")])  # fmt: skip
+    full, p2 = (json.loads((tmp_path / d / shards.MANIFEST).read_text()) for d in ("full", "p2"))
+    assert len(full["shards"]) == len(p2["shards"]) > 2
+    assert [s["digest"] for s in p2["shards"]] == [s["digest"] for s in full["shards"]]
+    assert p2["totals"] == full["totals"] and p2["max_seq_length"] == 128
+    assert p2["tokenizer"]["digest"] == full["tokenizer"]["digest"]

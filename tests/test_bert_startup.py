@@ -55,7 +55,7 @@ def test_launches_check_only_what_changed_since_the_stamp(
     (tmp_path / "config.json").write_text(json.dumps(config))
     hashed: list[str] = []
     digest = shards.files_digest
-    monkeypatch.setattr(shards, "files_digest", lambda directory: hashed.append(directory.name) or digest(directory))
+    monkeypatch.setattr(shards, "files_digest", lambda directory, *names: hashed.append(directory.name) or digest(directory, *names))
 
     def launch_once(*extra: str) -> list[str]:
         monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import data
+import shards
 import sources
+import stamps
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,25 @@ def embedded_source(name: str, cache_dir: Optional[Path], piece_bytes: int) -> S
         "piece_bytes": piece_bytes,
     }
     return Source(sources.document_pieces(documents, piece_bytes), record, Path("."))
+
+
+def shards_source(root: Path) -> tuple[Source, dict[str, Any]]:
+    """Prepared shards (format 2) as a corpus to pair again, a piece a shard (phase 2 from phase 1's tokens: only
+    the pairs depend on the sequence length), their contents checked against the manifest where no stamp covers
+    them; with their manifest (its tokenizer and settings are the new preparation's)."""
+    opened = shards.ShardSet.open(root)
+    manifest = opened.manifest
+    if manifest["format"] < 2:
+        raise shards.ShardError(
+            f"{root}: format {manifest['format']} keeps no sentences to pair again: prepare from the text"
+        )
+    stamp = stamps.Stamp(root, manifest["digest"])
+    problems = opened.verify(stamp.unverified(opened.items()))
+    if problems:
+        raise shards.ShardError("; ".join(problems))
+    pieces = [
+        sources.Piece(i, sources.PreparedShard(str(Path(root) / shard["name"])), shard["text_bytes"])
+        for i, shard in enumerate(manifest["shards"])
+    ]
+    record = {"from_shards": str(Path(root).resolve()), "manifest_digest": manifest["digest"]}
+    return Source(pieces, record, Path(root).resolve()), manifest

@@ -41,7 +41,7 @@ import recipe  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
 import stamps  # noqa: E402
-from corpus import Source, embedded_source, hf_dataset_source, text_dir_source  # noqa: E402
+from corpus import Source, embedded_source, hf_dataset_source, shards_source, text_dir_source  # noqa: E402
 from out_dir import locked, tokenizer_for  # noqa: E402
 from shard_jobs import Job, Settings, in_workers, prepare_shard  # noqa: E402
 
@@ -115,7 +115,8 @@ def _prepare(
                 )
             records[piece.index] = record
         else:
-            jobs.append(Job(piece, str(out), str(out / shards.TOKENIZER / "tokenizer.json"), identity))
+            tokens_from = piece.reader.path if isinstance(piece.reader, sources.PreparedShard) else None
+            jobs.append(Job(piece, str(out), str(out / shards.TOKENIZER / "tokenizer.json"), identity, tokens_from))
     total = sum(piece.text_bytes for piece in source.pieces)
     done = total - sum(job.piece.text_bytes for job in jobs)
     bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="prepare", disable=not progress)
@@ -204,6 +205,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     inputs.add_argument("--text-dir", type=Path, help="a directory of text files laid out as --layout says")
     inputs.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk (a row a document)")
     inputs.add_argument("--corpus", choices=data.EMBEDDED_CORPORA, help="an embedded corpus (no download)")
+    inputs.add_argument(
+        "--from-shards",
+        type=Path,
+        help="shards prepared before (phase 1's), paired again at this config's sequence length from their tokens, "
+        "with their tokenizer, held-out split and seed (no text read, nothing tokenized)",
+    )
     parser.add_argument(
         "--layout",
         choices=sources.LAYOUTS,
@@ -225,13 +232,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="held-out split, tokenizer sample and sentence pairs")
     parser.add_argument("--held-out-fraction", type=float, default=0.05)
     parser.add_argument("--short-seq-prob", type=float, default=0.1)
+    parser.add_argument(
+        "--dupe-factor", type=int, default=1, help="pairings of each shard's training documents (NVIDIA's files: 5)"
+    )
     parser.add_argument("--shard-mb", type=float, default=PIECE_BYTES / 1e6, help="text per shard, in MB")
     parser.add_argument("--tokenizer-sample-mb", type=float, default=128.0, help="text the vocabulary is trained on")
     parser.add_argument("--cache-dir", type=Path, help="the embedded corpus's cache (--corpus packages)")
     args = parser.parse_args(argv)
     if args.group_rows != 1 and args.document_column is not None:
         parser.error("give --group-rows or --document-column, not both")
-    for name in ("workers", "shard_mb", "tokenizer_sample_mb", "group_rows"):
+    for name in ("workers", "shard_mb", "tokenizer_sample_mb", "group_rows", "dupe_factor"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
@@ -251,17 +261,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     try:
         _, bert = recipe.read_config(args.deepspeed_config)
-        settings = Settings(bert["max_seq_length"], args.short_seq_prob, args.held_out_fraction, args.seed)
+        seed, held_out_fraction = args.seed, args.held_out_fraction
+        if args.from_shards is not None:  # their tokens, split and seed: only the pairing is new
+            source, manifest = shards_source(args.from_shards)
+            seed, held_out_fraction = manifest["settings"]["seed"], manifest["settings"]["held_out_fraction"]
+            args.tokenizer = args.tokenizer or args.from_shards / shards.TOKENIZER
+        else:
+            source = source_of(args, int(args.shard_mb * 1e6))
+        settings = Settings(bert["max_seq_length"], args.short_seq_prob, held_out_fraction, seed, args.dupe_factor)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(args.tokenizer)) if args.tokenizer else None
         if tokenizer is not None and len(tokenizer) != bert["vocab_size"]:
             raise recipe.ConfigError(
                 f"{args.tokenizer}: a {len(tokenizer)}-token vocabulary, {args.deepspeed_config}'s bert.vocab_size is "
                 f"{bert['vocab_size']}"
             )
-        source = source_of(args, int(args.shard_mb * 1e6))
-        prepare(
-            source, args.out, settings, bert["vocab_size"], tokenizer, args.workers, int(args.tokenizer_sample_mb * 1e6)
-        )
+        sample = int(args.tokenizer_sample_mb * 1e6)
+        prepare(source, args.out, settings, bert["vocab_size"], tokenizer, args.workers, sample)
     except (ValueError, OSError) as error:  # bad input: one line naming it (ShardError and ConfigError included)
         sys.exit(f"prepare.py: error: {error}")
 

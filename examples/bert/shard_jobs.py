@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import data
 import numpy as np
@@ -37,6 +37,7 @@ class Settings:
     short_seq_prob: float = 0.1
     held_out_fraction: float = 0.05
     seed: int = 0
+    dupe_factor: int = 1
     format: int = shards.FORMAT
 
 
@@ -61,46 +62,82 @@ def split_piece(documents: list[data.Document], settings: Settings, index: int) 
 
 @dataclass(frozen=True)
 class Job:
-    """One shard to write: its piece, where, and with what (plain data, to cross into a worker process)."""
+    """One shard to write: its piece, where, and with what (plain data, to cross into a worker process);
+    ``tokens_from``: a prepared shard (format 2) whose tokens are paired again instead of the piece's text."""
 
     piece: sources.Piece
     out: str
     tokenizer: str  # the tokenizer's tokenizer.json
     identity: dict[str, Any]  # what the shard records it was made from and with
+    tokens_from: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A piece's ids: every sentence's tokens (training documents first), each sentence's length, each document's
+    sentence count, how many documents are training ones, and what the record says of the text."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    documents: np.ndarray
+    train_documents: int
+    text: dict[str, Any]  # text_bytes, text_digest
+
+
+def tokenize(job: Job, settings: Settings) -> Tokenized:
+    """Read, split and tokenize the job's piece."""
+    documents, text_digest = job.piece.read()
+    train, held = split_piece(documents, settings, job.piece.index)
+    backend = _backend(job.tokenizer)
+    dtype = data.token_dtype(backend.get_vocab_size())
+    tokens, lengths = data.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
+    if len(tokens) >= 2**32:
+        raise ValueError(f"{_where(job)}: {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
+    sizes = np.array([len(doc) for doc in [*train, *held]], dtype=np.uint32)
+    text = {"text_bytes": job.piece.text_bytes, "text_digest": text_digest}
+    return Tokenized(tokens, lengths.astype(np.uint32), sizes, len(train), text)
+
+
+def tokenized_shard(directory: Path) -> Tokenized:
+    """A prepared shard's ids as :func:`tokenize` made them (format 2 keeps sentences and documents)."""
+    record = shards.read_json(directory / shards.SHARD_RECORD, "shard record")
+    if not (directory / "sentences.npy").is_file():
+        raise shards.ShardError(f"{directory}: prepared before format 2 (no sentences.npy): prepare from the text")
+    sizes = np.load(directory / "documents.npy")
+    text = {key: record[key] for key in ("text_bytes", "text_digest")}
+    train = int(record["documents"] - record["held_out_documents"])
+    return Tokenized(np.load(directory / "tokens.npy"), np.load(directory / "sentences.npy"), sizes, train, text)
 
 
 def prepare_shard(job: Job) -> dict[str, Any]:
-    """Read, split, tokenize and pair one piece, and write it as a shard; its record."""
+    """Tokenize one piece (or take a prepared shard's tokens), pair it (``dupe_factor`` pairings of its training
+    documents, one of its held-out ones) and write it as a shard; its record."""
     settings = Settings(**job.identity["settings"])
-    piece, name = job.piece, shards.shard_name(job.piece.index)
-    documents, text_digest = piece.read()
-    train, held = split_piece(documents, settings, piece.index)
-    backend = _backend(job.tokenizer)
-    dtype = data.token_dtype(backend.get_vocab_size())
-    train_sentences = sum(map(len, train))
-    tokens, lengths = data.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
-    if len(tokens) >= 2**32:
-        where = f"{name} ({job.identity['piece']})"
-        raise ValueError(f"{where}: {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
-    train_ranges = data.document_sentences(train, lengths[:train_sentences])
-    held_ranges = data.document_sentences(held, lengths[train_sentences:], int(lengths[:train_sentences].sum()))
-    try:
-        pairs = data.pair_ranges(train_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, "train"))
-    except ValueError:
-        raise ValueError(
-            f"{name} ({job.identity['piece']}): fewer than two training documents with text; next-sentence prediction "
-            f"draws B from another document of the same shard: separate documents with blank lines, or raise --shard-mb"
-        ) from None
+    name = shards.shard_name(job.piece.index)
+    made = tokenize(job, settings) if job.tokens_from is None else tokenized_shard(Path(job.tokens_from))
+    ranges = data.document_sentences([[None] * int(n) for n in made.documents], made.lengths)
+    train_ranges, held_ranges = ranges[: made.train_documents], ranges[made.train_documents :]
+    pairs = []
+    for dupe in range(settings.dupe_factor):
+        try:
+            pairs += data.pair_ranges(train_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, dupe))
+        except ValueError:
+            raise ValueError(
+                f"{_where(job)}: fewer than two training documents with text; next-sentence prediction draws B from "
+                f"another document of the same shard: give the documents' --layout, or raise --shard-mb"
+            ) from None
     usable_held = sum(1 for doc in held_ranges if any(length for _, length in doc))
     held_pairs = (
-        data.pair_ranges(held_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, "held_out"))
+        data.pair_ranges(held_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, -1))
         if usable_held >= 2
         else []
     )
     arrays = {
-        "tokens.npy": tokens,
+        "tokens.npy": made.tokens,
         "pairs.npy": np.array(pairs, dtype=shards.PAIR_DTYPE),
         "held_out_pairs.npy": np.array(held_pairs, dtype=shards.PAIR_DTYPE),
+        "sentences.npy": made.lengths,
+        "documents.npy": made.documents,
     }
     stats = pair_stats(arrays["pairs.npy"])
     if stats["random_next_pairs"] > MOST_RANDOM_NEXT * max(1, len(pairs)):
@@ -112,12 +149,11 @@ def prepare_shard(job: Job) -> dict[str, Any]:
     record = {
         **job.identity,
         "shard": name,
-        "text_bytes": piece.text_bytes,
-        "text_digest": text_digest,
-        "documents": len(documents),
-        "held_out_documents": len(held),
-        "sentences": len(lengths),
-        "tokens": len(tokens),
+        **made.text,
+        "documents": len(made.documents),
+        "held_out_documents": len(made.documents) - made.train_documents,
+        "sentences": len(made.lengths),
+        "tokens": len(made.tokens),
         "train_pairs": len(pairs),
         "held_out_pairs": len(held_pairs),
         **stats,
@@ -132,8 +168,11 @@ def pair_stats(pairs: np.ndarray) -> dict[str, int]:
     return {"random_next_pairs": int(pairs["next_sentence_label"].sum()), "pair_tokens": int(lengths.sum())}
 
 
-def _rng(job: Job, split: str) -> random.Random:
-    return random.Random(piece_seed(job.identity["settings"]["seed"], job.piece.index) + (split == "held_out"))
+def _rng(job: Job, dupe: int) -> random.Random:
+    """The draws of pairing ``dupe`` of the piece's training documents (-1: its held-out ones): the piece's seed,
+    plus one for the held-out pairs, plus two for each pairing after the first."""
+    seed = piece_seed(job.identity["settings"]["seed"], job.piece.index)
+    return random.Random(seed + 1 if dupe < 0 else seed + 2 * dupe)
 
 
 def _worker_start() -> None:

@@ -8,6 +8,8 @@ offset, served by the page cache every rank of a node shares)::
     SHARDS/shard-00000/tokens.npy   every sentence's token ids, document after document (uint16 up to 65,536 ids)
                      /pairs.npy     training NSP instances: two ranges of tokens.npy and the label (PAIR_DTYPE)
                      /held_out_pairs.npy   the same, from this shard's held-out documents
+                     /sentences.npy every sentence's length, /documents.npy each document's sentence count (training
+                                    documents first): what pairing again needs (phase 2 from phase 1's tokens)
                      /shard.json    what the shard was made from and with, its counts and the digest of its files
 
 A shard is written into a temporary directory and renamed into place when complete, and the manifest is written
@@ -35,7 +37,9 @@ READABLE = (1, 2)
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer"
 SHARD_RECORD = "shard.json"
-ARRAYS = ("tokens.npy", "pairs.npy", "held_out_pairs.npy")
+ARRAYS = ("tokens.npy", "pairs.npy", "held_out_pairs.npy", "sentences.npy", "documents.npy")
+"""A shard's arrays (format 2); format 1 had the first three."""
+FORMAT_ARRAYS = {1: ARRAYS[:3], 2: ARRAYS}
 SPLITS = {"train": "pairs.npy", "held_out": "held_out_pairs.npy"}
 PAIR_DTYPE = np.dtype(
     [("a_start", "<u4"), ("a_length", "<u2"), ("b_start", "<u4"), ("b_length", "<u2"), ("next_sentence_label", "u1")]
@@ -58,10 +62,10 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
-def files_digest(directory: Path) -> str:
-    """SHA-256 of a shard's arrays (each file's name and bytes, in :data:`ARRAYS` order), read in chunks."""
+def files_digest(directory: Path, names: tuple[str, ...] = ARRAYS) -> str:
+    """SHA-256 of a shard's arrays ``names`` (each file's name and bytes, in order), read in chunks."""
     digest = hashlib.sha256()
-    for name in ARRAYS:
+    for name in names:
         digest.update(name.encode() + b"\0")
         with (directory / name).open("rb") as file:
             while chunk := file.read(_CHUNK):
@@ -174,6 +178,7 @@ class ShardSet:
         if "files" in source:
             source = {**{k: v for k, v in source.items() if k != "files"}, "input_files": len(source["files"])}
         self.manifest = {**manifest, "source": source}
+        self.arrays = FORMAT_ARRAYS[manifest["format"]]
         self.names = [shard["name"] for shard in manifest["shards"]]
         self.starts = {
             split: np.concatenate([[0], np.cumsum([shard[f"{split}_pairs"] for shard in manifest["shards"]])])
@@ -244,7 +249,7 @@ class ShardSet:
 
     def items(self) -> dict[str, list[Path]]:
         """Each shard's arrays, by shard name (what a verification stamp records: :mod:`stamps`)."""
-        return {name: [self.root / name / file for file in ARRAYS] for name in self.names}
+        return {name: [self.root / name / file for file in self.arrays] for name in self.names}
 
     def verify(self, names: Optional[list[str]] = None) -> list[str]:
         """Problems found checking the contents of the shards ``names`` (default: all) against the manifest's
@@ -252,7 +257,7 @@ class ShardSet:
         digests = {shard["name"]: shard["digest"] for shard in self.manifest["shards"]}
         problems = []
         for name in self.names if names is None else names:
-            if files_digest(self.root / name) != digests[name]:
+            if files_digest(self.root / name, self.arrays) != digests[name]:
                 problems.append(
                     f"{self.root / name}: its arrays do not match the manifest's digest (changed after "
                     f"preparation): prepare the shards again"

@@ -138,7 +138,20 @@ class InMemory:
         return [len(self.documents)]
 
 
-Reader = Union[TextRanges, DatasetRows, InMemory]
+@dataclass(frozen=True)
+class PreparedShard:
+    """A prepared shard whose tokens are paired again (phase 2 from phase 1's shards): its text is not read."""
+
+    path: str
+
+    def read(self) -> tuple[list[Document], str]:
+        raise ValueError(f"{self.path}: a prepared shard is paired again from its tokens, not read as text")
+
+    def describe(self, root: Path) -> list[Any]:
+        return [Path(self.path).name]
+
+
+Reader = Union[TextRanges, DatasetRows, InMemory, PreparedShard]
 
 
 @dataclass(frozen=True)
