@@ -34,12 +34,14 @@ def test_batch_shapes_grow_by_accumulation_beyond_the_largest_micro_batch() -> N
 
 
 def test_peer_ladders_set_each_arms_own_rate_and_budgets_in_steps() -> None:
-    """BERT phase 2: each arm's rate at its own key (ds_kfac's Adam rate; Muon's for the matrices K-FAC leaves kept),
-    the batch by accumulation past 32 per rank, the budget in steps per batch, the size's target, and phase 1 as the
-    BERT ladder's (the demo's LAMB phase 1); ResNet's SOAP at both of its rate keys."""
+    """BERT phase 2: each arm's rate at its own key (ds_kfac's Adam rate, Muon's for the matrices K-FAC leaves kept;
+    DeepSpeed's Muon's muon_lr, its Adam half's kept), the batch by accumulation past 32 per rank, the budget in steps
+    per batch, the size's target, and phase 1 as the BERT ladder's (the demo's LAMB phase 1); ResNet's SOAP at both
+    of its rate keys."""
     ladder = bs.LADDERS["bert-phase2"]
-    assert list(ladder.arms) == ["adamw", "soap", "kfac"] and ladder.reference == "adamw"
+    assert list(ladder.arms) == ["adamw", "soap", "muon", "kfac"] and ladder.reference == "adamw"
     rates = {"adamw": ("optimizer", "lr"), "soap": ("client_optimizer", "lr"), "kfac": ("optimizer", "adam_lr")}
+    rates["muon"] = ("optimizer", "muon_lr")  # DeepSpeed's JSON Muon: its rate for the hidden matrices
     for arm, (section, key) in rates.items():
         base = json.loads((ROOT / ladder.arms[arm].config).read_text())
         config = bs.configure(base, ladder, arm, 2048, 0.016, 50)

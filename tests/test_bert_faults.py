@@ -113,7 +113,7 @@ def test_nvidia_values_and_compression_faults_name_the_file(hdf5_dir: Path, tmp_
     path = tmp_path / "x_training_0.hdf5"
     arrays = write_nvidia_shard(path, 16, SEQ, 10, VOCAB, 3)
     files, _ = nvidia.discover(tmp_path, SEQ)
-    assert not isinstance(nvidia.NvidiaBatches(files, VOCAB)[(0, (0, 1))], faults.Fault)
+    assert not isinstance(nvidia.NvidiaBatches(files, VOCAB)[(-1, 0, (0, 1))], faults.Fault)
     for name, value, message in [
         ("masked_lm_ids", 5000, r"masked_lm_ids holds id 5000, the config's bert\.vocab_size is 600"),
         ("input_ids", -3, r"input_ids holds id -3, the config's bert\.vocab_size is 600"),
@@ -124,12 +124,12 @@ def test_nvidia_values_and_compression_faults_name_the_file(hdf5_dir: Path, tmp_
         with h5py.File(path, "w") as f:
             for key, array in changed.items():
                 f.create_dataset(key, data=array, compression="gzip")
-        fault = nvidia.NvidiaBatches(files, VOCAB)[(0, (0, 1))]
+        fault = nvidia.NvidiaBatches(files, VOCAB)[(-1, 0, (0, 1))]
         assert isinstance(fault, faults.Fault) and re.fullmatch(rf"{re.escape(str(path))}: {message}", fault.message)
     write_nvidia_shard(path, 16, SEQ, 10, VOCAB, 3)
     corrupt_chunk(path)
     assert nvidia.discover(tmp_path, SEQ)[0] == files  # the header still reads: only reading the data finds it
-    fault = nvidia.NvidiaBatches(files, VOCAB)[(0, (0, 1))]
+    fault = nvidia.NvidiaBatches(files, VOCAB)[(-1, 0, (0, 1))]
     assert isinstance(fault, faults.Fault) and fault.message.startswith(f"{path}: cannot read its arrays (")
 
 
@@ -159,11 +159,17 @@ def test_nvidia_order_found_directly_is_the_order_walked(hdf5_dir: Path, uneven_
             shift = world % n if world > n else 0
             for f in range(n):
                 index = names[(f * world + rank + shift * f) % n]
-                walked += [(index, k) for k in range(files[index].rows // 8)]
+                walked += [(epoch * n + f, index) for _ in range(files[index].rows // 8)]
         order = nvidia.NvidiaOrder(files, 8, 1, world, rank, seed=7)
         for number in [len(walked) - 1, 3, len(walked) // 2, 0, len(walked) - 7]:
-            index, rows = order.micro_batch(number)
-            assert index == walked[number][0] and len(rows) == 8 and max(rows) < files[index].rows
+            visit, index, rows = order.micro_batch(number)
+            assert (visit, index) == walked[number] and len(rows) == 8 and max(rows) < files[index].rows
+        visits = order.visits(len(walked) // 3)
+        first = next(visits)
+        assert first[:2] == walked[len(walked) // 3] and first[2] <= len(walked) // 3 < first[3]
+        later = [next(visits) for _ in range(5)]
+        assert [v[2] for v in later] == [v[3] for v in [first, *later[:-1]]]  # each begins where the last ended
+        assert all(walked[v[2]] == v[:2] and walked[v[3] - 1] == v[:2] for v in later)
 
 
 # --------------------------------------------------------------------------- every rank stops

@@ -539,7 +539,7 @@ def test_nvidia_files_are_assigned_as_nvidias_loader_assigns_them(nvidia_dir) ->
                     rows = next(f.rows for f in training if f.path == expected)
                     seen = []
                     for _ in range(rows // 8):
-                        index, batch = order.micro_batch(number)
+                        _, index, batch = order.micro_batch(number)
                         assert training[index].path == expected
                         seen += batch
                         number += 1
@@ -555,7 +555,7 @@ def test_nvidia_batches_are_the_stored_arrays(nvidia_dir) -> None:
     batches = nvidia.NvidiaBatches(training, 600)
     for index, rows in [(0, (5, 1, 69)), (2, (0, 95, 40, 41))]:
         stored = written[Path(training[index].path).name]
-        got = batches[(index, rows)]
+        got = batches[(-1, index, rows)]
         picked = list(rows)
         assert np.array_equal(got["input_ids"], stored["input_ids"][picked])
         assert np.array_equal(got["attention_mask"], stored["input_mask"][picked])
@@ -565,8 +565,8 @@ def test_nvidia_batches_are_the_stored_arrays(nvidia_dir) -> None:
         assert np.array_equal(got["labels"], np.stack(labels))
         assert all(v.dtype == np.int64 for v in got.values())
     keys = nvidia.held_out_keys(test, 25, 8)
-    assert keys == [(0, tuple(range(0, 8))), (0, tuple(range(8, 16))), (0, tuple(range(16, 24))), (0, (24,))]
-    fault = nvidia.NvidiaBatches(training, 100)[(0, (0, 1))]  # a fault in place of the batch: every rank stops
+    assert keys == [(-1, 0, tuple(range(k, min(k + 8, 25)))) for k in range(0, 25, 8)]
+    fault = nvidia.NvidiaBatches(training, 100)[(-1, 0, (0, 1))]  # a fault in place of the batch: every rank stops
     assert re.search(r"training_0\.hdf5: input_ids holds id \d+, the config's bert\.vocab_size is 100", fault.message)
 
 

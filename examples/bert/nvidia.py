@@ -27,19 +27,23 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import faults
 import numpy as np
-from loading import Key, epoch_order, order_name
+import nvidia_ahead
+from loading import epoch_order, order_name
 from torch.utils.data import Dataset
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 PER_TOKEN = ("input_ids", "input_mask", "segment_ids")
 PER_PREDICTION = ("masked_lm_positions", "masked_lm_ids")
 ORDER = f"nvidia-rounds-1, rows {order_name('randperm')}"
+Rows = tuple[int, int, tuple[int, ...]]
+"""A micro-batch: its visit (the rank's epoch * files + round; -1 for held-out files), its file's index, its rows."""
 """The file and row order's kind, recorded in checkpoints."""
 
 
@@ -132,9 +136,9 @@ class NvidiaOrder:
             self._ends.append((self._ends[-1] if self._ends else 0) + count)
         return self._ends[epoch - 1] if epoch else 0
 
-    def micro_batch(self, number: int) -> Key:
-        """The rank's ``number``-th micro-batch (0-based): (file index, its rows); two binary searches, the epoch's
-        file order kept while it lasts."""
+    def micro_batch(self, number: int) -> Rows:
+        """The rank's ``number``-th micro-batch (0-based): (its visit, the file's index, its rows); two binary
+        searches, the epoch's file order kept while it lasts."""
         while not self._ends or number >= self._ends[-1]:
             self._epoch(len(self._ends))
         epoch = bisect.bisect_right(self._ends, number)
@@ -146,7 +150,21 @@ class NvidiaOrder:
         round_ = bisect.bisect_right(ends, number)
         number -= ends[round_ - 1] if round_ else 0
         rows = self._rows(epoch, round_, rounds[round_])[number * self.micro : (number + 1) * self.micro]
-        return rounds[round_], tuple(rows.tolist())
+        return epoch * len(self.files) + round_, rounds[round_], tuple(rows.tolist())
+
+    def visits(self, start: int) -> Iterator[tuple[int, int, int, int]]:
+        """The rank's visits of files from the one holding micro-batch ``start`` on, endlessly: (visit, file index,
+        its first micro-batch, the one after its last); a file under a micro-batch gives none."""
+        self.micro_batch(start)  # counts the epochs up to start's
+        epoch = bisect.bisect_right(self._ends, start)
+        while True:
+            first = self._epoch(epoch)
+            for round_, index in enumerate(self.rounds(epoch)):
+                count = self.files[index].rows // self.micro
+                if count and first + count > start:
+                    yield epoch * len(self.files) + round_, index, first, first + count
+                first += count
+            epoch += 1
 
     def _rows(self, epoch: int, round_: int, index: int) -> np.ndarray:
         """The order of file ``index``'s rows in ``round_`` of ``epoch`` (:func:`loading.epoch_order`, seeded by
@@ -157,19 +175,20 @@ class NvidiaOrder:
             self._round = key, epoch_order(self.files[index].rows, seed)
         return self._round[1]
 
-    def step(self, step: int) -> list[Key]:
+    def step(self, step: int) -> list[Rows]:
         return [self.micro_batch(step * self.accum + m) for m in range(self.accum)]
 
 
-def held_out_keys(files: list[File], count: int, micro: int) -> list[Key]:
-    """The first ``count`` rows of the test files, in order, as micro-batches (never across files)."""
-    keys: list[Key] = []
+def held_out_keys(files: list[File], count: int, micro: int) -> list[Rows]:
+    """The first ``count`` rows of the test files, in order, as micro-batches (never across files; read directly,
+    visit -1)."""
+    keys: list[Rows] = []
     for index, file in enumerate(files):
         for start in range(0, file.rows, micro):
             if count <= 0:
                 return keys
             rows = tuple(range(start, min(start + micro, file.rows, start + count)))
-            keys.append((index, rows))
+            keys.append((-1, index, rows))
             count -= len(rows)
     return keys
 
@@ -210,22 +229,26 @@ def check_values(path: str, arrays: dict[str, np.ndarray], vocab_size: int) -> N
 
 
 class NvidiaBatches(Dataset):
-    """Collated micro-batches of NVIDIA shards, with NVIDIA's labels; the file being read is held in memory."""
+    """Collated micro-batches of NVIDIA shards, with NVIDIA's labels. The file being read is held: mapped from the
+    copy the rank's reader made ahead (``shared``: its directory and process id, :mod:`nvidia_ahead`), or, without
+    one (held-out files), read here."""
 
-    def __init__(self, files: list[File], vocab_size: int) -> None:
-        self.files, self.vocab_size = files, vocab_size
+    def __init__(self, files: list[File], vocab_size: int, shared: Optional[tuple[str, int]] = None) -> None:
+        self.files, self.vocab_size, self.shared = files, vocab_size, shared
         self._held: tuple[int, dict[str, np.ndarray]] | None = None
 
-    def _arrays(self, index: int) -> dict[str, np.ndarray]:
-        if self._held is None or self._held[0] != index:
+    def _arrays(self, visit: int, index: int) -> dict[str, np.ndarray]:
+        if self._held is None or self._held[0] != (visit, index):
             self._held = None  # the previous file is let go before the next is read
-            self._held = index, read_file(self.files[index].path)
+            path = self.files[index].path
+            shared = self.shared is not None and visit >= 0
+            self._held = (visit, index), nvidia_ahead.wait_for(*self.shared, visit, path) if shared else read_file(path)
         return self._held[1]
 
     @faults.caught
-    def __getitem__(self, key: Key) -> dict[str, np.ndarray]:
-        index, rows = key
-        arrays = self._arrays(index)
+    def __getitem__(self, key: Rows) -> dict[str, np.ndarray]:
+        visit, index, rows = key
+        arrays = self._arrays(visit, index)
         picked = {name: arrays[name][list(rows)].astype(np.int64) for name in KEYS}
         check_values(self.files[index].path, picked, self.vocab_size)
         positions, ids = picked["masked_lm_positions"], picked["masked_lm_ids"]

@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     previous_seconds = (
         float(report.read_metrics(run_dir / "metrics.csv")[-1]["seconds"]) if start_step and rank == 0 else 0.0
     )
-    keys = loading.StepKeys(order, start_step, max_steps)
-    batches = loading.loader(train_batches, keys, args.loader_workers, args.prefetch)
+    batches = found.loader(train_batches, order, start_step, max_steps)
     ranks = report.RankReport(rank)
     train_seconds = 0.0  # optimizer steps only: evaluation and checkpoints are not timed
     bar = tqdm(range(start_step, max_steps), disable=rank != 0, initial=start_step, total=max_steps, dynamic_ncols=True)

@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 import data
 import faults
 import loading
+import nvidia_ahead
 import prepare
 import shards
 import stamps
@@ -150,6 +152,11 @@ class ShardSource:
         order = loading.PairOrder(len(self.shards), micro, accum, world, rank, args.seed, self.order)
         return train, order, loading.held_out(held, keys)
 
+    def loader(self, dataset: Dataset, order: Any, start: int, stop: int) -> Iterator[Any]:
+        """Steps ``[start, stop)``'s micro-batches, made in the loader workers."""
+        keys = loading.StepKeys(order, start, stop)
+        return loading.loader(dataset, keys, self.args.loader_workers, self.args.prefetch)
+
 
 class NvidiaSource:
     """NVIDIA's HDF5 shards (``nvidia.py``), every file's layout checked when opened."""
@@ -199,6 +206,16 @@ class NvidiaSource:
         held = nvidia.NvidiaBatches(self.test, self.vocab_size)
         keys = nvidia.held_out_keys(self.test, self.args.eval_batches * micro, micro)
         return nvidia.NvidiaBatches(self.training, self.vocab_size), order, loading.held_out(held, keys)
+
+    def loader(self, dataset: Dataset, order: Any, start: int, stop: int) -> Iterator[Any]:
+        """Steps ``[start, stop)``'s micro-batches, made in the loader workers from the copies a reader process
+        decompresses a file ahead (:mod:`nvidia_ahead`): the workers' prefetch and the file after it."""
+        args = self.args
+        lead = max(1, args.loader_workers) * args.prefetch + order.accum
+        ahead = nvidia_ahead.Ahead(order, start * order.accum, lead)
+        dataset.shared = ahead.shared
+        made = loading.loader(dataset, loading.StepKeys(order, start, stop), args.loader_workers, args.prefetch)
+        return ahead.count(made)
 
 
 def open_data(args: argparse.Namespace, bert: dict[str, Any], cache: Path) -> ShardSource | NvidiaSource:
