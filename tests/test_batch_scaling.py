@@ -70,8 +70,8 @@ def test_grids_and_overrides_name_the_arm_they_do_not_know() -> None:
     ladder = bs.LADDERS["bert-phase2"]
     args = bs.argparse.Namespace(lrs=[0.004], kfac_lrs=None, arm_lrs=["soap=0.002,0.004"], set=["a=1"])
     args.set_base, args.set_arm = ["b=2"], ["soap:c=3"]
-    assert bs._grids(ladder, args) == {"adamw": [0.004], "soap": [0.002, 0.004], "kfac": [0.004]}
-    assert bs._sets(ladder, args) == {"adamw": ["b=2"], "soap": ["c=3"], "kfac": ["a=1"]}
+    assert bs._grids(ladder, args) == {"adamw": [0.004], "soap": [0.002, 0.004], "muon": [0.004], "kfac": [0.004]}
+    assert bs._sets(ladder, args) == {"adamw": ["b=2"], "soap": ["c=3"], "muon": [], "kfac": ["a=1"]}
     with pytest.raises(SystemExit, match="'sgd=0.1'.*adamw"):
         bs._grids(ladder, bs.argparse.Namespace(lrs=None, kfac_lrs=None, arm_lrs=["sgd=0.1"]))
     with pytest.raises(ValueError, match="--set-arm expects ARM:KEY=JSON .*got 'soap=1'"):
