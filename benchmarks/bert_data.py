@@ -55,7 +55,7 @@ PART_BYTES = 100_000_000
 
 def generate(out: Path, megabytes: float, seed: int, cache: Path) -> dict[str, Any]:
     """Write a corpus of ``megabytes`` MB of text (see the module docstring); its record (also ``corpus.json``)."""
-    import data
+    import corpora
 
     record_file = out / "corpus.json"
     wanted = {"megabytes": megabytes, "seed": seed, "from": "packages"}
@@ -64,7 +64,7 @@ def generate(out: Path, megabytes: float, seed: int, cache: Path) -> dict[str, A
         and {k: v for k, v in json.loads(record_file.read_text()).items() if k in wanted} == wanted
     ):
         return json.loads(record_file.read_text())
-    documents = data.embedded_corpus("packages", cache_dir=cache)
+    documents = corpora.embedded_corpus("packages", cache_dir=cache)
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("part-*.txt"):

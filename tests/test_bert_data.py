@@ -22,25 +22,28 @@ transformers = pytest.importorskip("transformers")  # The BERT example's own req
 pytest.importorskip("tokenizers")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples/bert"))
-import data  # noqa: E402
+import corpora  # noqa: E402
+import masking  # noqa: E402
+import pairing  # noqa: E402
 import sources  # noqa: E402
+import wordpiece  # noqa: E402
 
 BATCH_KEYS = {"input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label"}
 
 
 @pytest.fixture(scope="module")
 def corpus() -> list[list[str]]:
-    return data.embedded_corpus()
+    return corpora.embedded_corpus()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(corpus):
-    return data.train_tokenizer(corpus)
+    return wordpiece.train_tokenizer(corpus)
 
 
 @pytest.fixture(scope="module")
 def examples(corpus, tokenizer) -> list:
-    return data.build_examples(corpus, tokenizer, max_seq_length=128, seed=0)
+    return pairing.build_examples(corpus, tokenizer, max_seq_length=128, seed=0)
 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
@@ -51,7 +54,7 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
 
 
 def test_embedded_corpus_is_deterministic_prose(corpus) -> None:
-    assert data.embedded_corpus() == corpus
+    assert corpora.embedded_corpus() == corpus
     sentences = [s for doc in corpus for s in doc]
     size_mb = sum(len(s.encode()) for s in sentences) / 1e6
     print(f"\nembedded corpus: {len(corpus)} documents, {len(sentences)} sentences, {size_mb:.2f} MB")
@@ -68,7 +71,7 @@ def test_embedded_corpus_ignores_rebound_hooks(corpus, monkeypatch) -> None:
 
     for module, name in [(sys, "excepthook"), (sys, "unraisablehook"), (threading, "excepthook")]:
         monkeypatch.setattr(module, name, hook)
-    assert data.embedded_corpus() == corpus
+    assert corpora.embedded_corpus() == corpus
 
 
 FIXTURE_PACKAGE = "ds_kfac_corpus_fixture"
@@ -131,15 +134,15 @@ def fixture_package(tmp_path: Path, monkeypatch) -> Path:
 
 
 def test_docstring_corpus_parses_sources_without_importing(fixture_package) -> None:
-    documents = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False)
+    documents = corpora.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False)
     assert documents == FIXTURE_DOCUMENTS
     assert FIXTURE_PACKAGE not in sys.modules
-    assert data.docstring_corpus(packages=[FIXTURE_PACKAGE, "no_such_package_here"], stdlib=False) == documents
+    assert corpora.docstring_corpus(packages=[FIXTURE_PACKAGE, "no_such_package_here"], stdlib=False) == documents
 
 
 def test_docstring_corpus_cache(fixture_package, tmp_path: Path, monkeypatch) -> None:
     cache = tmp_path / "corpus-cache"
-    first = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
+    first = corpora.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
     (cached,) = cache.iterdir()
     mtime = cached.stat().st_mtime_ns
 
@@ -147,14 +150,14 @@ def test_docstring_corpus_cache(fixture_package, tmp_path: Path, monkeypatch) ->
         raise AssertionError("parsed although the corpus is cached")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "_source_docstrings", no_parsing)
-        again = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
-    assert again == first == FIXTURE_DOCUMENTS and data.corpus_digest(again) == data.corpus_digest(first)
+        patch.setattr(corpora, "_source_docstrings", no_parsing)
+        again = corpora.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
+    assert again == first == FIXTURE_DOCUMENTS and corpora.corpus_digest(again) == corpora.corpus_digest(first)
     assert cached.stat().st_mtime_ns == mtime and list(cache.iterdir()) == [cached]
     # A changed source file (its size) is another cache entry.
     with (fixture_package / "sub/c.py").open("a") as f:
         f.write('\n\ndef more():\n    """A new function appears. It changes the corpus."""\n')
-    changed = data.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
+    changed = corpora.docstring_corpus(packages=[FIXTURE_PACKAGE], stdlib=False, cache_dir=cache)
     assert changed == FIXTURE_DOCUMENTS + [["A new function appears.", "It changes the corpus."]]
     assert len(list(cache.iterdir())) == 2
 
@@ -162,9 +165,9 @@ def test_docstring_corpus_cache(fixture_package, tmp_path: Path, monkeypatch) ->
 def test_docstring_corpus_of_installed_packages(tmp_path: Path) -> None:
     # Two small real packages: the full "packages" corpus takes ~30 s (test_packages_corpus_size builds it).
     packages = ["filelock", "tqdm"]
-    first = data.docstring_corpus(packages=packages, stdlib=False, cache_dir=tmp_path)
-    assert data.docstring_corpus(packages=packages, stdlib=False) == first
-    assert data.docstring_corpus(packages=packages, stdlib=False, cache_dir=tmp_path) == first
+    first = corpora.docstring_corpus(packages=packages, stdlib=False, cache_dir=tmp_path)
+    assert corpora.docstring_corpus(packages=packages, stdlib=False) == first
+    assert corpora.docstring_corpus(packages=packages, stdlib=False, cache_dir=tmp_path) == first
     sentences = [s for doc in first for s in doc]
     assert len(first) > 100 and all(len(doc) >= 2 for doc in first)
     assert not any(s.startswith((">>>", "...")) or s != " ".join(s.split()) for s in sentences)
@@ -175,15 +178,15 @@ def test_docstring_corpus_of_installed_packages(tmp_path: Path) -> None:
 
 
 def test_corpus_sources() -> None:
-    sources = data.corpus_sources("packages")
+    sources = corpora.corpus_sources("packages")
     assert list(sources)[0] == "python" and sources["python"] == platform.python_version()
     assert list(sources)[1:] == sorted(list(sources)[1:])  # The standard library, then the packages by name.
     assert {"torch", "transformers", "deepspeed", "numpy", "tokenizers"} <= set(sources)
     for name, version in list(sources.items())[1:]:
-        assert version == importlib.metadata.version(data.CORPUS_PACKAGES[name]), name
-    assert data.corpus_sources("stdlib") == {"python": platform.python_version()}
+        assert version == importlib.metadata.version(corpora.CORPUS_PACKAGES[name]), name
+    assert corpora.corpus_sources("stdlib") == {"python": platform.python_version()}
     with pytest.raises(ValueError, match="unknown embedded corpus 'wiki'"):
-        data.corpus_sources("wiki")
+        corpora.corpus_sources("wiki")
 
 
 @pytest.mark.skipif(
@@ -192,22 +195,22 @@ def test_corpus_sources() -> None:
 def test_packages_corpus_size(tmp_path: Path, corpus) -> None:
     """The default "packages" corpus gives 20x the "stdlib" corpus's training pairs at the CPU demo's settings."""
     started = time.perf_counter()
-    packages = data.embedded_corpus("packages", cache_dir=tmp_path)
+    packages = corpora.embedded_corpus("packages", cache_dir=tmp_path)
     built = time.perf_counter() - started
     started = time.perf_counter()
-    assert data.embedded_corpus("packages", cache_dir=tmp_path) == packages
+    assert corpora.embedded_corpus("packages", cache_dir=tmp_path) == packages
     loaded = time.perf_counter() - started
-    assert data.docstring_corpus() == packages  # Deterministic, with or without the cache.
+    assert corpora.docstring_corpus() == packages  # Deterministic, with or without the cache.
 
     def pairs(documents: list[list[str]]) -> int:  # As pretrain.py builds them with configs/bert_cpu_phase1_*.json.
-        train, _ = data.split_documents(documents, held_out_fraction=0.05, seed=0)
-        return len(data.build_examples(train, data.train_tokenizer(train, 1024), 64, seed=0))
+        train, _ = pairing.split_documents(documents, held_out_fraction=0.05, seed=0)
+        return len(pairing.build_examples(train, wordpiece.train_tokenizer(train, 1024), 64, seed=0))
 
     sentences = [s for doc in packages for s in doc]
     size_mb = sum(len(s.encode()) for s in sentences) / 1e6
     small, large = pairs(corpus), pairs(packages)
     print(
-        f"\n'packages' corpus {data.corpus_digest(packages)[:16]}: {len(packages)} documents, {len(sentences)} "
+        f"\n'packages' corpus {corpora.corpus_digest(packages)[:16]}: {len(packages)} documents, {len(sentences)} "
         f"sentences, {size_mb:.2f} MB, built in {built:.1f} s, loaded from the cache in {loaded:.1f} s; "
         f"{large} training pairs ('stdlib': {small})"
     )
@@ -215,7 +218,7 @@ def test_packages_corpus_size(tmp_path: Path, corpus) -> None:
 
 
 def test_split_sentences() -> None:
-    assert data.split_sentences("One here.  Two, e.g. this?   Three!  four") == [
+    assert corpora.split_sentences("One here.  Two, e.g. this?   Three!  four") == [
         "One here.",
         "Two, e.g. this?",
         "Three!",
@@ -268,7 +271,7 @@ def test_read_hf_dataset(tmp_path: Path) -> None:
 def test_load_corpus_sources(tmp_path: Path, corpus) -> None:
     with pytest.raises(ValueError, match="not both"):
         sources.load_corpus(text_dir=tmp_path, hf_dataset=tmp_path)
-    assert sources.load_corpus() == sources.load_corpus(embedded="stdlib") == data.embedded_corpus("stdlib") == corpus
+    assert sources.load_corpus() == sources.load_corpus(embedded="stdlib") == corpora.embedded_corpus("stdlib") == corpus
     with pytest.raises(ValueError, match="unknown embedded corpus 'wiki'"):
         sources.load_corpus(embedded="wiki")
 
@@ -277,7 +280,7 @@ def test_load_corpus_sources(tmp_path: Path, corpus) -> None:
 
 
 def test_tokenizer_round_trip(corpus, tokenizer) -> None:
-    assert [tokenizer.convert_ids_to_tokens(i) for i in range(5)] == data.SPECIAL_TOKENS
+    assert [tokenizer.convert_ids_to_tokens(i) for i in range(5)] == wordpiece.SPECIAL_TOKENS
     assert sorted(tokenizer.all_special_ids) == [0, 1, 2, 3, 4]
     ascii_sentences = [s for doc in corpus for s in doc if s.isascii() and max(map(len, s.split())) < 40]
     sample = ascii_sentences[::20]
@@ -301,13 +304,13 @@ def test_tokenizer_round_trip(corpus, tokenizer) -> None:
 def test_tokenizer_training_is_deterministic(corpus) -> None:
     # Guards the workaround for huggingface/tokenizers#1794 (vocabularies that differ from run to run).
     subset = corpus[: len(corpus) // 4]
-    vocabs = [data.train_tokenizer(subset, vocab_size=2000).get_vocab() for _ in range(3)]
+    vocabs = [wordpiece.train_tokenizer(subset, vocab_size=2000).get_vocab() for _ in range(3)]
     assert len(vocabs[0]) == 2000 and vocabs[0] == vocabs[1] == vocabs[2]
 
 
 def test_tokenizer_cache(tmp_path: Path, corpus, monkeypatch) -> None:
     subset = corpus[:300]
-    first = data.train_tokenizer(subset, vocab_size=600, cache_dir=tmp_path)
+    first = wordpiece.train_tokenizer(subset, vocab_size=600, cache_dir=tmp_path)
     (cached,) = tmp_path.iterdir()
     mtime = cached.stat().st_mtime_ns
 
@@ -315,14 +318,14 @@ def test_tokenizer_cache(tmp_path: Path, corpus, monkeypatch) -> None:
         raise AssertionError("retrained although the tokenizer is cached")
 
     with monkeypatch.context() as patch:
-        patch.setattr(data, "train_wordpiece", no_training)
-        second = data.train_tokenizer(subset, vocab_size=600, cache_dir=tmp_path)
+        patch.setattr(wordpiece, "train_wordpiece", no_training)
+        second = wordpiece.train_tokenizer(subset, vocab_size=600, cache_dir=tmp_path)
     assert second.get_vocab() == first.get_vocab()
     assert second("Return the value.")["input_ids"] == first("Return the value.")["input_ids"]
     assert cached.stat().st_mtime_ns == mtime and list(tmp_path.iterdir()) == [cached]
     # Another vocabulary size or corpus is another cache entry.
-    data.train_tokenizer(subset, vocab_size=500, cache_dir=tmp_path)
-    data.train_tokenizer(subset[:-1], vocab_size=600, cache_dir=tmp_path)
+    wordpiece.train_tokenizer(subset, vocab_size=500, cache_dir=tmp_path)
+    wordpiece.train_tokenizer(subset[:-1], vocab_size=600, cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 3
 
 
@@ -331,16 +334,16 @@ def test_tokenizer_cache(tmp_path: Path, corpus, monkeypatch) -> None:
 
 def test_split_documents_by_document() -> None:
     documents = [[f"Document {i} opens.", f"Document {i} closes."] for i in range(500)]
-    train, held = data.split_documents(documents, held_out_fraction=0.02, seed=0)
+    train, held = pairing.split_documents(documents, held_out_fraction=0.02, seed=0)
     assert len(held) == 10 and len(train) == 490
     assert not {d[0] for d in train} & {d[0] for d in held}
     assert sorted(train + held) == sorted(documents)
     assert train == sorted(train, key=documents.index) and held == sorted(held, key=documents.index)
-    assert data.split_documents(documents, 0.02, seed=0) == (train, held)
-    assert data.split_documents(documents, 0.02, seed=1)[1] != held
-    assert len(data.split_documents(documents[:3], 0.02)[1]) == 1
+    assert pairing.split_documents(documents, 0.02, seed=0) == (train, held)
+    assert pairing.split_documents(documents, 0.02, seed=1)[1] != held
+    assert len(pairing.split_documents(documents[:3], 0.02)[1]) == 1
     with pytest.raises(ValueError, match="held_out_fraction"):
-        data.split_documents(documents, 1.0)
+        pairing.split_documents(documents, 1.0)
 
 
 # --------------------------------------------------------------------------- NSP pairs and masking
@@ -390,14 +393,14 @@ def test_nsp_pairs(corpus, tokenizer, examples) -> None:
             assert any(owner[a] != owner[b] for a in a_at for b in b_at)
         checked += 1
     assert checked > 100
-    assert data.build_examples(corpus, tokenizer, seed=0) == examples
-    assert data.build_examples(corpus, tokenizer, seed=1) != examples
+    assert pairing.build_examples(corpus, tokenizer, seed=0) == examples
+    assert pairing.build_examples(corpus, tokenizer, seed=1) != examples
     with pytest.raises(ValueError, match="at least two documents"):
-        data.build_examples(corpus[:1], tokenizer)
+        pairing.build_examples(corpus[:1], tokenizer)
 
 
 def test_masking_rates(tokenizer, examples) -> None:
-    dataset = data.PretrainingDataset(examples, tokenizer, seed=0)
+    dataset = masking.PretrainingDataset(examples, tokenizer, seed=0)
     special_ids = set(tokenizer.all_special_ids)
     candidates = chosen = masked = replaced = kept = 0
     for index, example in enumerate(examples):
@@ -434,10 +437,10 @@ def test_masking_rates(tokenizer, examples) -> None:
 
 
 def test_dynamic_masking_is_deterministic(tokenizer, examples) -> None:
-    first = data.PretrainingDataset(examples[:50], tokenizer, seed=0)
-    again = data.PretrainingDataset(examples[:50], tokenizer, seed=0)
+    first = masking.PretrainingDataset(examples[:50], tokenizer, seed=0)
+    again = masking.PretrainingDataset(examples[:50], tokenizer, seed=0)
     assert [first[i] for i in reversed(range(50))][::-1] == [again[i] for i in range(50)]
-    other_seed = data.PretrainingDataset(examples[:50], tokenizer, seed=1)
+    other_seed = masking.PretrainingDataset(examples[:50], tokenizer, seed=1)
     assert [other_seed[i]["labels"] for i in range(50)] != [first[i]["labels"] for i in range(50)]
     before = [first[i]["labels"] for i in range(50)]
     first.set_epoch(1)
@@ -451,13 +454,13 @@ def test_collate_feeds_bert_for_pretraining(tokenizer, examples) -> None:
     forward_kwargs = set(inspect.signature(transformers.BertForPreTraining.forward).parameters)
     assert BATCH_KEYS <= forward_kwargs
 
-    dataset = data.PretrainingDataset(examples, tokenizer, seed=0)
+    dataset = masking.PretrainingDataset(examples, tokenizer, seed=0)
     by_length = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
     indices = by_length[:: len(by_length) // 7][:8]  # Lengths from shortest to longest: padding needed.
     items = [dataset[i] for i in indices]
     lengths = torch.tensor([len(item["input_ids"]) for item in items])
     assert lengths.min() < lengths.max()
-    batch = data.collate(items, pad_token_id=tokenizer.pad_token_id)
+    batch = masking.collate(items, pad_token_id=tokenizer.pad_token_id)
 
     assert set(batch) == BATCH_KEYS
     assert all(value.dtype == torch.long for value in batch.values())
@@ -485,5 +488,5 @@ def test_collate_feeds_bert_for_pretraining(tokenizer, examples) -> None:
     model = transformers.BertForPreTraining(config)
     output = model(**batch)
     assert output.loss.ndim == 0 and math.isfinite(output.loss.item())
-    loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=data.collate)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=masking.collate)
     assert math.isfinite(model(**next(iter(loader))).loss.item())

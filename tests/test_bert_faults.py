@@ -26,9 +26,10 @@ h5py = pytest.importorskip("h5py")
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "examples/bert"))
-import data  # noqa: E402
+import corpora  # noqa: E402
 import faults  # noqa: E402
 import loading  # noqa: E402
+import masking  # noqa: E402
 import nvidia  # noqa: E402
 import out_dir  # noqa: E402
 import prepare  # noqa: E402
@@ -44,7 +45,7 @@ def two_preparations(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     root = tmp_path_factory.mktemp("faults")
     (root / "text").mkdir()
     with (root / "text" / "corpus.txt").open("w") as f:
-        for doc in data.stdlib_corpus()[:300]:
+        for doc in corpora.stdlib_corpus()[:300]:
             f.write("\n".join(doc) + "\n\n")
     out = []
     for seed in (0, 1):
@@ -93,7 +94,7 @@ def test_a_shard_cut_short_under_a_run_is_a_fault_naming_it(two_preparations: tu
     copy = shutil.copytree(two_preparations[0], tmp_path / "copy")
     opened = shards.ShardSet.open(copy, SEQ, VOCAB)
     tokenizer = opened.tokenizer()
-    vocab, cls_id, sep_id = data.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
+    vocab, cls_id, sep_id = masking.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
     batches = loading.ShardBatches(opened, vocab, cls_id, sep_id, seed=0, split="train")
     last = len(opened) - 1
     assert not isinstance(batches[(0, (0, last))], faults.Fault)  # files opened, a pair of the last shard read
@@ -331,7 +332,7 @@ def _text_dir(root: Path, documents: list, copies: int) -> Path:
 def test_a_second_preparation_into_the_same_out_is_refused_in_one_line(tmp_path: Path) -> None:
     """While a preparation holds ``--out`` (its lock), another into it is refused naming the first's process
     (before: one of the two died on a raw ``[Errno 39] Directory not empty``), and nothing of it is written."""
-    text = _text_dir(tmp_path / "text", data.stdlib_corpus()[:200], 1)
+    text = _text_dir(tmp_path / "text", corpora.stdlib_corpus()[:200], 1)
     out = tmp_path / "out"
     settings = prepare.Settings(SEQ, held_out_fraction=0.1)
     with out_dir.locked(out):
@@ -345,7 +346,7 @@ def test_a_killed_preparations_tokenizer_is_not_used_for_another_corpus(tmp_path
     """A preparation killed after writing its tokenizer leaves it behind: a preparation of another corpus (or other
     settings) into that directory is refused naming what differs (before, it tokenized the new corpus with the
     first's vocabulary, silently); the same preparation run again reuses it and completes."""
-    documents = data.stdlib_corpus()
+    documents = corpora.stdlib_corpus()
     first, second = _text_dir(tmp_path / "a", documents[:300], 1), _text_dir(tmp_path / "b", documents[300:600], 1)
     out = tmp_path / "out"
     settings = prepare.Settings(SEQ, held_out_fraction=0.1)
@@ -379,7 +380,7 @@ def test_a_killed_worker_is_an_error_naming_its_shard_and_the_rerun_completes_as
     import signal
     import subprocess
 
-    text = _text_dir(tmp_path / "text", data.stdlib_corpus(), 6)  # about 5 MB: 4 pieces of 1.2 MB
+    text = _text_dir(tmp_path / "text", corpora.stdlib_corpus(), 6)  # about 5 MB: 4 pieces of 1.2 MB
     config = small_config(tmp_path)
     command = [sys.executable, str(ROOT / "examples/bert/prepare.py"), "--text-dir", str(text), "--deepspeed_config",
                str(config), "--workers", "2", "--shard-mb", "1.2", "--tokenizer-sample-mb", "0.3"]  # fmt: skip
@@ -387,10 +388,13 @@ def test_a_killed_worker_is_an_error_naming_its_shard_and_the_rerun_completes_as
     run = subprocess.Popen([*command, "--out", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True)
     victim = None
     while victim is None and run.poll() is None and time.monotonic() - started < 120:
-        for task in Path(f"/proc/{run.pid}/task").iterdir():
-            for pid in (task / "children").read_text().split():
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    victim = int(pid)
+        try:  # a thread or child may end between the listing and the reading
+            for task in Path(f"/proc/{run.pid}/task").iterdir():
+                for pid in (task / "children").read_text().split():
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        victim = int(pid)
+        except OSError:
+            pass
         time.sleep(0.05)
     assert victim is not None, "no worker seen"
     killed = time.monotonic()

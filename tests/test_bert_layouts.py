@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples/bert"))
-import data  # noqa: E402
+import corpora  # noqa: E402
 import prepare  # noqa: E402
 import shard_jobs  # noqa: E402
 import shards  # noqa: E402
@@ -174,7 +174,7 @@ def test_phase_2_from_phase_1s_tokens_is_the_full_preparation_without_the_text(t
     """``prepare.py --from-shards PHASE1`` at phase 2's sequence length pairs phase 1's tokens again: the shards'
     arrays are those a full preparation of the same text at that length (phase 1's tokenizer, seed and split)
     makes, with the text gone (nothing read, nothing tokenized)."""
-    root = write(tmp_path / "text", data.stdlib_corpus()[:400], "blank-lines")
+    root = write(tmp_path / "text", corpora.stdlib_corpus()[:400], "blank-lines")
     configs = {}
     for seq in (SEQ, 128):
         configs[seq] = tmp_path / f"seq{seq}.json"

@@ -39,7 +39,10 @@ CHANGED = [
     "examples/bert/pretrain.py",
     "examples/bert/recipe.py",
     "examples/bert/faults.py",
-    "examples/bert/data.py",
+    "examples/bert/corpora.py",
+    "examples/bert/wordpiece.py",
+    "examples/bert/pairing.py",
+    "examples/bert/masking.py",
     "examples/bert/sources.py",
     "examples/bert/corpus.py",
     "examples/bert/prepare.py",
@@ -63,7 +66,7 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for folder in ("ds_kfac", "examples/bert", "configs"):
         shutil.copytree(ROOT / folder, root / folder, ignore=skip)
     monkeypatch.setattr(phase1, "ROOT", root)
-    monkeypatch.setattr(phase1.data, "embedded_corpus", lambda name, cache_dir: [["a sentence."]])
+    monkeypatch.setattr(phase1.corpora, "embedded_corpus", lambda name, cache_dir: [["a sentence."]])
     return root
 
 

@@ -20,15 +20,18 @@ transformers = pytest.importorskip("transformers")
 h5py = pytest.importorskip("h5py")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples/bert"))
-import data  # noqa: E402
+import corpora  # noqa: E402
 import loading  # noqa: E402
+import masking  # noqa: E402
 import nvidia  # noqa: E402
 import out_dir  # noqa: E402
+import pairing  # noqa: E402
 import prepare  # noqa: E402
 import shard_jobs  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
 import stamps  # noqa: E402
+import wordpiece  # noqa: E402
 
 SEQ = 64
 
@@ -208,7 +211,7 @@ def test_a_config_of_the_wrong_kind_is_one_line_before_anything_runs(
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """200 short documents of the stdlib corpus as text files, cut into 4 pieces of about 25 kB."""
     root = tmp_path_factory.mktemp("corpus")
-    documents = data.stdlib_corpus()[:400]
+    documents = corpora.stdlib_corpus()[:400]
     for part in range(2):
         with (root / f"part-{part}.txt").open("w") as f:
             for doc in documents[part::2]:
@@ -244,18 +247,18 @@ def test_preparation_is_the_same_with_two_workers(corpus_dir: Path, prepared: Pa
 
 def test_one_piece_is_split_and_paired_as_in_memory(tmp_path: Path) -> None:
     """A corpus of one piece (the embedded ones) is prepared as the in-memory functions build it with the seed:
-    ``data.split_documents`` (held-out documents), ``data.train_tokenizer`` on the training documents, and
-    ``data.build_examples`` of each split (training pairs with the seed, held-out ones with the seed plus one)."""
-    documents = data.stdlib_corpus()[:600]
+    ``pairing.split_documents`` (held-out documents), ``wordpiece.train_tokenizer`` on the training documents, and
+    ``pairing.build_examples`` of each split (training pairs with the seed, held-out ones with the seed plus one)."""
+    documents = corpora.stdlib_corpus()[:600]
     source = prepare.Source(sources.document_pieces(documents, 1 << 30), {"test": 1}, tmp_path)
     settings = prepare.Settings(SEQ, held_out_fraction=0.05, seed=3)
     prepare.prepare(source, tmp_path / "shards", settings, 600, progress=False)
     opened = shards.ShardSet.open(tmp_path / "shards")
-    train, held = data.split_documents(documents, 0.05, seed=3)
-    tokenizer = data.train_tokenizer(train, 600)
+    train, held = pairing.split_documents(documents, 0.05, seed=3)
+    tokenizer = wordpiece.train_tokenizer(train, 600)
     assert opened.tokenizer().backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
     for split, docs, seed in (("train", train, 3), ("held_out", held, 4)):
-        examples = data.build_examples(docs, tokenizer, SEQ, seed=seed)
+        examples = pairing.build_examples(docs, tokenizer, SEQ, seed=seed)
         assert opened.size(split) == len(examples) > 10
         assert [opened.example(split, i, 2, 3) for i in range(len(examples))] == examples
 
@@ -365,7 +368,7 @@ def test_bad_shards_are_refused_before_training_naming_file_and_cause(copy: Path
     shards.ShardSet.open(copy, SEQ, 600)  # the copy itself is fine
     assert shards.ShardSet.open(copy).verify() == []
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(copy / "tokenizer"))
-    other = data.train_tokenizer(data.stdlib_corpus()[:300], vocab_size=600)
+    other = wordpiece.train_tokenizer(corpora.stdlib_corpus()[:300], vocab_size=600)
     cases = {
         "sequence length": (
             lambda: None,
@@ -430,18 +433,18 @@ def test_bad_shards_are_refused_before_training_naming_file_and_cause(copy: Path
 
 
 def test_shard_batches_are_the_masked_instances(prepared: Path) -> None:
-    """A micro-batch from the shards is its pairs, masked as ``data.masked_item`` masks them (seed, epoch, index),
+    """A micro-batch from the shards is its pairs, masked as ``masking.masked_item`` masks them (seed, epoch, index),
     collated; the same whichever process makes it."""
     opened = shards.ShardSet.open(prepared)
     tokenizer = opened.tokenizer()
-    vocab = data.Vocabulary.of(tokenizer)
+    vocab = masking.Vocabulary.of(tokenizer)
     batches = loading.ShardBatches(opened, vocab, tokenizer.cls_token_id, tokenizer.sep_token_id, 5, "train")
     key = (3, (17, 2, len(opened) - 1))
     items = [
-        data.masked_item(opened.example("train", i, tokenizer.cls_token_id, tokenizer.sep_token_id), vocab, f"5:3:{i}")
+        masking.masked_item(opened.example("train", i, tokenizer.cls_token_id, tokenizer.sep_token_id), vocab, f"5:3:{i}")
         for i in key[1]
     ]
-    expected = data.collate_arrays(items, tokenizer.pad_token_id)
+    expected = masking.collate_arrays(items, tokenizer.pad_token_id)
     got = batches[key]
     assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in got)
     made = list(loading.loader(batches, [key, key], workers=1, prefetch=2))

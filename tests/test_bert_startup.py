@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "examples/bert"))
-import data  # noqa: E402
+import corpora  # noqa: E402
 import loading  # noqa: E402
 import prepare  # noqa: E402
 import shards  # noqa: E402
@@ -33,7 +33,7 @@ def prepared(tmp_path: Path) -> Path:
     """300 documents prepared into 3 shards."""
     (tmp_path / "text").mkdir()
     with (tmp_path / "text" / "corpus.txt").open("w") as f:
-        for doc in data.stdlib_corpus()[:300]:
+        for doc in corpora.stdlib_corpus()[:300]:
             f.write("\n".join(doc) + "\n\n")
     source = prepare.text_dir_source(tmp_path / "text", 30_000)
     settings = prepare.Settings(SEQ, held_out_fraction=0.1)

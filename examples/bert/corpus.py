@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import data
+import corpora
 import shards
 import sources
 import stamps
@@ -48,11 +48,11 @@ def hf_dataset_source(
 
 
 def embedded_source(name: str, cache_dir: Optional[Path], piece_bytes: int) -> Source:
-    documents = data.embedded_corpus(name, cache_dir)
+    documents = corpora.embedded_corpus(name, cache_dir)
     record = {
         "embedded": name,
-        "versions": data.corpus_sources(name),
-        "digest": data.corpus_digest(documents),
+        "versions": corpora.corpus_sources(name),
+        "digest": corpora.corpus_digest(documents),
         "piece_bytes": piece_bytes,
     }
     return Source(sources.document_pieces(documents, piece_bytes), record, Path("."))

@@ -10,7 +10,7 @@ holds the ``"kfac"`` section; its ``"auto"`` values are filled by Trainer::
         --resume-from-checkpoint runs/finetune_trainer/checkpoint-30
 
 The model is the tiny BERT of ``configs/bert/bert-tiny.json``, trained on the
-embedded corpus of ``data.py`` (the docstrings of Python's standard library,
+embedded corpus of ``corpora.py`` (the docstrings of Python's standard library,
 no download) with the pretraining example's sentence pairs and dynamic masks.
 Trainer logs K-FAC's metrics (``kfac/steps``, ``kfac/seconds/<phase>``, ...)
 beside the loss, and its checkpoints (``<output-dir>/checkpoint-<step>/``) hold
@@ -29,8 +29,10 @@ import torch.distributed as dist
 from transformers import BertConfig, BertForPreTraining, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
-import data  # noqa: E402
+import masking  # noqa: E402
+import pairing  # noqa: E402
 import sources  # noqa: E402
+import wordpiece  # noqa: E402
 from pretrain import ROOT, rank_zero_first  # noqa: E402
 
 import ds_kfac  # noqa: E402
@@ -58,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
 
-    train_docs, _ = data.split_documents(sources.load_corpus(), held_out_fraction=0.05)
+    train_docs, _ = pairing.split_documents(sources.load_corpus(), held_out_fraction=0.05)
     cache = args.output_dir / "tokenizer-cache"
-    tokenizer = rank_zero_first(lambda: data.train_tokenizer(train_docs, VOCAB, cache_dir=cache))  # rank 0 trains
-    train_set = data.PretrainingDataset(data.build_examples(train_docs, tokenizer, SEQ, seed=0), tokenizer, seed=0)
+    tokenizer = rank_zero_first(lambda: wordpiece.train_tokenizer(train_docs, VOCAB, cache_dir=cache))  # rank 0 trains
+    train_set = masking.PretrainingDataset(pairing.build_examples(train_docs, tokenizer, SEQ, seed=0), tokenizer, seed=0)
     model_config = json.loads((ROOT / "configs/bert/bert-tiny.json").read_text())
     model_config.update(vocab_size=len(tokenizer))
     torch.manual_seed(0)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         disable_tqdm=True,
         seed=0,
     )
-    trainer = KFACTrainer(model=model, args=training_args, train_dataset=train_set, data_collator=data.collate)
+    trainer = KFACTrainer(model=model, args=training_args, train_dataset=train_set, data_collator=masking.collate)
     # BertForPreTraining averages its loss over each micro-batch and ignores Trainer's token count: without this,
     # Trainer would neither divide the loss by the accumulation steps nor leave it unmultiplied by the ranks.
     trainer.model_accepts_loss_kwargs = False

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import data
 import faults
+import masking
 import numpy as np
 import shards
 import torch
@@ -119,10 +119,10 @@ class StepKeys:
 
 class ShardBatches(Dataset):
     """Collated micro-batches of prepared shards: each pair masked by an RNG seeded by (seed, epoch, index), as
-    :class:`data.PretrainingDataset` masks, so a batch is the same whichever worker makes it."""
+    :class:`masking.PretrainingDataset` masks, so a batch is the same whichever worker makes it."""
 
     def __init__(
-        self, shards_: shards.ShardSet, vocab: data.Vocabulary, cls_id: int, sep_id: int, seed: int, split: str
+        self, shards_: shards.ShardSet, vocab: masking.Vocabulary, cls_id: int, sep_id: int, seed: int, split: str
     ) -> None:
         self.shards, self.vocab, self.cls_id, self.sep_id, self.seed, self.split = (
             shards_, vocab, cls_id, sep_id, seed, split,
@@ -130,12 +130,12 @@ class ShardBatches(Dataset):
 
     def item(self, epoch: int, index: int) -> dict[str, Any]:
         example = self.shards.example(self.split, index, self.cls_id, self.sep_id)
-        return data.masked_item(example, self.vocab, f"{self.seed}:{epoch}:{index}")
+        return masking.masked_item(example, self.vocab, f"{self.seed}:{epoch}:{index}")
 
     @faults.caught
     def __getitem__(self, key: Key) -> dict[str, np.ndarray]:
         epoch, indices = key
-        return data.collate_arrays([self.item(epoch, index) for index in indices], self.vocab.pad_id)
+        return masking.collate_arrays([self.item(epoch, index) for index in indices], self.vocab.pad_id)
 
 
 def held_out_keys(starts: np.ndarray, count: int, micro: int) -> list[Key]:

@@ -15,9 +15,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import data
 import shards
 import sources
+import wordpiece
 from corpus import Source
 from shard_jobs import Settings, split_piece
 
@@ -78,7 +78,7 @@ def tokenizer_for(
 
         size = sum(piece.text_bytes for piece in sample)
         print(f"training a {vocab_size}-token WordPiece vocabulary on {len(sample)} pieces ({size / 1e6:.0f} MB)")
-        given = data.wrap_tokenizer(data.train_wordpiece(sentences, vocab_size))
+        given = wordpiece.wrap_tokenizer(wordpiece.train_wordpiece(sentences, vocab_size))
     partial = out / f".{shards.TOKENIZER}.{os.getpid()}.tmp"
     shutil.rmtree(partial, ignore_errors=True)
     given.save_pretrained(str(partial))

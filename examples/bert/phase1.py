@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import data  # noqa: E402
+import corpora  # noqa: E402
 
 from ds_kfac.integration.cleanup import run_launcher  # noqa: E402
 
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "bert_cpu_phase1_lamb.json"
 COMPLETE = "phase1-complete.json"
 EXAMPLE_FILES = (
-    *("pretrain.py", "recipe.py", "faults.py", "data.py", "sources.py", "corpus.py", "prepare.py", "out_dir.py"),
-    *("shard_jobs.py", "shards.py", "loading.py", "run_data.py"),
+    *("pretrain.py", "recipe.py", "faults.py", "corpora.py", "wordpiece.py", "pairing.py", "masking.py"),
+    *("sources.py", "corpus.py", "prepare.py", "out_dir.py", "shard_jobs.py", "shards.py", "loading.py", "run_data.py"),
 )
 """The example's modules phase 1 runs: its loop and config, and the embedded corpus's way into shards and batches
 (not ``nvidia.py``, which only ``--nvidia-hdf5`` imports)."""
@@ -94,9 +94,9 @@ def key(config: Path, cache: Path, seed: int) -> str:
     digest = hashlib.sha256()
     for path in [config, model, *code_files(ROOT)]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    documents = data.embedded_corpus("packages", cache_dir=cache / "corpus-cache")
+    documents = corpora.embedded_corpus("packages", cache_dir=cache / "corpus-cache")
     versions = [torch.__version__, transformers.__version__, tokenizers.__version__, deepspeed.__version__]
-    digest.update(json.dumps([data.corpus_digest(documents), seed, versions]).encode())
+    digest.update(json.dumps([corpora.corpus_digest(documents), seed, versions]).encode())
     return digest.hexdigest()[:16]
 
 

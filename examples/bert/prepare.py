@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-import data  # noqa: E402
+import corpora  # noqa: E402
+import pairing  # noqa: E402
 import recipe  # noqa: E402
 import shards  # noqa: E402
 import sources  # noqa: E402
@@ -183,7 +184,7 @@ def _manifest(
             "path": shards.TOKENIZER,
             "digest": shards.tokenizer_digest(tokenizer),
             "vocab_size": len(tokenizer),
-            "token_dtype": data.token_dtype(len(tokenizer)).name,
+            "token_dtype": pairing.token_dtype(len(tokenizer)).name,
         },
         "versions": {"python": platform.python_version(), **{p: importlib.metadata.version(p) for p in VERSIONED}},
         "text_digest": hashlib.sha256("".join(r["text_digest"] for r in records).encode()).hexdigest(),
@@ -204,7 +205,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     inputs = parser.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--text-dir", type=Path, help="a directory of text files laid out as --layout says")
     inputs.add_argument("--hf-dataset", type=Path, help="a datasets dataset saved with save_to_disk (a row a document)")
-    inputs.add_argument("--corpus", choices=data.EMBEDDED_CORPORA, help="an embedded corpus (no download)")
+    inputs.add_argument("--corpus", choices=corpora.EMBEDDED_CORPORA, help="an embedded corpus (no download)")
     inputs.add_argument(
         "--from-shards",
         type=Path,

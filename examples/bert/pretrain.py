@@ -62,9 +62,10 @@ from tqdm import tqdm
 from transformers import BertConfig, BertForPreTraining
 
 sys.path.insert(0, str(Path(__file__).parent))
-import data  # noqa: E402
+import corpora  # noqa: E402
 import faults  # noqa: E402
 import loading  # noqa: E402
+import masking  # noqa: E402
 import recipe  # noqa: E402
 import report  # noqa: E402
 import run_data  # noqa: E402
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nvidia-hdf5", type=Path, help="a directory of NVIDIA's preprocessed HDF5 shards")
     parser.add_argument(
         "--corpus",
-        choices=data.EMBEDDED_CORPORA,
+        choices=corpora.EMBEDDED_CORPORA,
         default="packages",
         help="the embedded corpus, used without --shards or --nvidia-hdf5: 'packages' (docstrings of the standard "
         "library's and the dependencies' sources) or 'stdlib' (the small one of imported standard-library modules)",
@@ -202,7 +203,7 @@ def evaluate(engine: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[float
     for batch in batches:
         out = engine(**{k: v.to(engine.device) for k, v in batch.items() if k != "next_sentence_label"})
         labels = batch["labels"].to(engine.device)
-        chosen = labels != data.IGNORE_INDEX
+        chosen = labels != masking.IGNORE_INDEX
         logits = out.prediction_logits.float()[chosen]
         loss_sum += torch.nn.functional.cross_entropy(logits, labels[chosen], reduction="sum").item()
         correct += (logits.argmax(-1) == labels[chosen]).sum().item()

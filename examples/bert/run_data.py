@@ -14,9 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
-import data
+import corpora
 import faults
 import loading
+import masking
 import nvidia_ahead
 import prepare
 import shards
@@ -31,7 +32,8 @@ T = TypeVar("T")
 PREPARATION_CODE = hashlib.sha256(
     b"".join(
         (Path(__file__).parent / f).read_bytes()
-        for f in ("data.py", "sources.py", "corpus.py", "out_dir.py", "shards.py", "shard_jobs.py", "prepare.py")
+        for f in ("corpora.py", "wordpiece.py", "pairing.py", "sources.py", "corpus.py", "out_dir.py", "shards.py")
+        + ("shard_jobs.py", "prepare.py")
     )
 ).hexdigest()
 """Keys the embedded corpus's prepared shards with the code that prepares them."""
@@ -59,7 +61,7 @@ def embedded_shards(args: argparse.Namespace, bert: dict[str, Any], cache: Path,
     settings = prepare.Settings(bert["max_seq_length"], held_out_fraction=args.held_out_fraction, seed=args.data_seed)
 
     def directory(tokenizer: str) -> Path:
-        identity = [args.corpus, data.corpus_sources(args.corpus), PREPARATION_CODE, asdict(settings)]
+        identity = [args.corpus, corpora.corpus_sources(args.corpus), PREPARATION_CODE, asdict(settings)]
         key = json.dumps([*identity, bert["vocab_size"], tokenizer])
         return cache / "shards" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -144,7 +146,7 @@ class ShardSource:
     def batches(self, micro: int, accum: int) -> tuple[Dataset, Any, list[dict[str, torch.Tensor]]]:
         """(the training micro-batches by key, the keys of each step's, the held-out micro-batches)."""
         args, tokenizer = self.args, self.tokenizer
-        vocab, cls_id, sep_id = data.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
+        vocab, cls_id, sep_id = masking.Vocabulary.of(tokenizer), tokenizer.cls_token_id, tokenizer.sep_token_id
         train = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.seed, "train")
         held = loading.ShardBatches(self.shards, vocab, cls_id, sep_id, args.data_seed + 1, "held_out")
         keys = loading.held_out_keys(self.shards.starts["held_out"], args.eval_batches * micro, micro)

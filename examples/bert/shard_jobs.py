@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import data
 import numpy as np
+import pairing
 import shards
 import sources
 from tokenizers import Tokenizer
@@ -50,14 +50,14 @@ def _backend(path: str) -> Tokenizer:
 def piece_seed(seed: int, index: int) -> int:
     """The seed of piece ``index``'s draws (held-out split, training pairs; held-out pairs take it plus one): the
     preparation's seed itself for the first piece, so a corpus of one piece is split and paired as
-    :func:`data.split_documents` and :func:`data.build_examples` do with that seed."""
+    :func:`pairing.split_documents` and :func:`pairing.build_examples` do with that seed."""
     return seed + PIECE_SEED_STRIDE * index
 
 
-def split_piece(documents: list[data.Document], settings: Settings, index: int) -> tuple[list, list]:
+def split_piece(documents: list[pairing.Document], settings: Settings, index: int) -> tuple[list, list]:
     """A piece's (training, held-out) documents: by document, seeded by :func:`piece_seed`."""
     seed = piece_seed(settings.seed, index)
-    return data.split_documents(documents, settings.held_out_fraction, seed=seed, minimum=2)
+    return pairing.split_documents(documents, settings.held_out_fraction, seed=seed, minimum=2)
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ def tokenize(job: Job, settings: Settings) -> Tokenized:
     documents, text_digest = job.piece.read()
     train, held = split_piece(documents, settings, job.piece.index)
     backend = _backend(job.tokenizer)
-    dtype = data.token_dtype(backend.get_vocab_size())
-    tokens, lengths = data.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
+    dtype = pairing.token_dtype(backend.get_vocab_size())
+    tokens, lengths = pairing.encode_flat((s for doc in [*train, *held] for s in doc), backend, dtype)
     if len(tokens) >= 2**32:
         raise ValueError(f"{_where(job)}: {len(tokens)} tokens, over a shard's 2**32: lower --shard-mb")
     sizes = np.array([len(doc) for doc in [*train, *held]], dtype=np.uint32)
@@ -115,12 +115,12 @@ def prepare_shard(job: Job) -> dict[str, Any]:
     settings = Settings(**job.identity["settings"])
     name = shards.shard_name(job.piece.index)
     made = tokenize(job, settings) if job.tokens_from is None else tokenized_shard(Path(job.tokens_from))
-    ranges = data.document_sentences([[None] * int(n) for n in made.documents], made.lengths)
+    ranges = pairing.document_sentences([[None] * int(n) for n in made.documents], made.lengths)
     train_ranges, held_ranges = ranges[: made.train_documents], ranges[made.train_documents :]
     pairs = []
     for dupe in range(settings.dupe_factor):
         try:
-            pairs += data.pair_ranges(train_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, dupe))
+            pairs += pairing.pair_ranges(train_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, dupe))
         except ValueError:
             raise ValueError(
                 f"{_where(job)}: fewer than two training documents with text; next-sentence prediction draws B from "
@@ -128,7 +128,7 @@ def prepare_shard(job: Job) -> dict[str, Any]:
             ) from None
     usable_held = sum(1 for doc in held_ranges if any(length for _, length in doc))
     held_pairs = (
-        data.pair_ranges(held_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, -1))
+        pairing.pair_ranges(held_ranges, settings.max_seq_length, settings.short_seq_prob, _rng(job, -1))
         if usable_held >= 2
         else []
     )

@@ -27,8 +27,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-import data
 import numpy as np
+import pairing
 
 FORMAT = 2
 """Written by this code: format 1 and the pair counts (label 1, tokens filled) in each shard and the totals."""
@@ -44,7 +44,7 @@ SPLITS = {"train": "pairs.npy", "held_out": "held_out_pairs.npy"}
 PAIR_DTYPE = np.dtype(
     [("a_start", "<u4"), ("a_length", "<u2"), ("b_start", "<u4"), ("b_length", "<u2"), ("next_sentence_label", "u1")]
 )
-"""A :class:`data.Pair` on disk: 13 bytes (ranges within one shard, whose tokens stay under 2**32)."""
+"""A :class:`pairing.Pair` on disk: 13 bytes (ranges within one shard, whose tokens stay under 2**32)."""
 _CHUNK = 8 << 20
 
 
@@ -275,16 +275,16 @@ class ShardSet:
     def size(self, split: str) -> int:
         return int(self.starts[split][-1])
 
-    def example(self, split: str, index: int, cls_id: int, sep_id: int) -> data.PretrainingExample:
+    def example(self, split: str, index: int, cls_id: int, sep_id: int) -> pairing.PretrainingExample:
         """The ``index``-th instance of ``split`` ("train" or "held_out") over all shards, unmasked."""
         starts = self.starts[split]
         shard = int(np.searchsorted(starts, index, side="right")) - 1
         directory = self.root / self.names[shard]
         row = self._arrays.read(directory / SPLITS[split], int(index - starts[shard]), 1)[0]
-        pair = data.Pair(*(int(v) for v in row.tolist()))
+        pair = pairing.Pair(*(int(v) for v in row.tolist()))
         a = self._arrays.read(directory / "tokens.npy", pair.a_start, pair.a_length)
         b = self._arrays.read(directory / "tokens.npy", pair.b_start, pair.b_length)
-        return data.assemble_segments(a.tolist(), b.tolist(), pair.next_sentence_label, cls_id, sep_id)
+        return pairing.assemble_segments(a.tolist(), b.tolist(), pair.next_sentence_label, cls_id, sep_id)
 
     def token_counts(self, split: str) -> np.ndarray:
         """How often each token id occurs in the instances of ``split`` (A and B, without the special tokens): a

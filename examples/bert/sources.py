@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import data
+import corpora
+import pairing
 
-Document = data.Document
+Document = pairing.Document
 LAYOUTS = ("blank-lines", "lines", "jsonl")
 """How documents lie in text files: blocks of lines ended by a blank line, one per line, one JSON object per line."""
 SUFFIXES = {"blank-lines": "*.txt", "lines": "*.txt", "jsonl": "*.jsonl"}
@@ -44,7 +45,7 @@ def layout_documents(text: str, layout: str, field: str = "text") -> list[Docume
     """The documents (lists of sentences) of ``text`` laid out as ``layout`` (``field``: a JSON line's text; a
     ``ValueError`` for a line that is not a JSON object with it)."""
     if layout == "blank-lines":
-        return data.text_documents(text)
+        return corpora.text_documents(text)
     documents = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -132,7 +133,7 @@ class InMemory:
 
     def read(self) -> tuple[list[Document], str]:
         documents = [list(doc) for doc in self.documents]
-        return documents, data.corpus_digest(documents)
+        return documents, corpora.corpus_digest(documents)
 
     def describe(self, root: Path) -> list[Any]:
         return [len(self.documents)]
@@ -168,7 +169,7 @@ class Piece:
 
 
 def _row_sentences(text: str) -> Document:
-    return [s for line in text.splitlines() for s in data.split_sentences(line)]
+    return [s for line in text.splitlines() for s in corpora.split_sentences(line)]
 
 
 # --------------------------------------------------------------------------- text files
@@ -345,4 +346,4 @@ def load_corpus(
         return read_text_dir(text_dir)
     if hf_dataset is not None:
         return read_hf_dataset(hf_dataset, text_column)
-    return data.embedded_corpus(embedded, cache_dir)
+    return corpora.embedded_corpus(embedded, cache_dir)

@@ -44,8 +44,10 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bert"))
-import data  # noqa: E402  (the BERT example's corpus and tokenizer)
+import corpora  # noqa: E402  (the BERT example's corpus, tokenizer and pairs)
+import pairing  # noqa: E402
 import sources  # noqa: E402
+import wordpiece  # noqa: E402
 
 import ds_kfac  # noqa: E402
 
@@ -127,7 +129,7 @@ def build_model(args: argparse.Namespace, vocab: int, topology: PipeModelDataPar
     return PipelineModule(layers, topology=topology, loss_fn=next_token_loss, partition_method="type:Block")
 
 
-def token_windows(documents: list[data.Document], tokenizer, seq: int) -> torch.Tensor:
+def token_windows(documents: list[pairing.Document], tokenizer, seq: int) -> torch.Tensor:
     """The documents' token stream cut into non-overlapping windows of ``seq + 1`` tokens."""
     ids = [token for doc in documents for token in tokenizer(" ".join(doc), add_special_tokens=False)["input_ids"]]
     n = len(ids) // (seq + 1)
@@ -176,9 +178,9 @@ def main() -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     topology = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=dp)
 
-    documents = sources.read_text_dir(args.text_dir) if args.text_dir else data.embedded_corpus()
-    train_docs, held_out_docs = data.split_documents(documents, held_out_fraction=0.05, seed=0)
-    tokenizer = data.train_tokenizer(train_docs, vocab_size=args.vocab, cache_dir=args.output_dir / "cache")
+    documents = sources.read_text_dir(args.text_dir) if args.text_dir else corpora.embedded_corpus()
+    train_docs, held_out_docs = pairing.split_documents(documents, held_out_fraction=0.05, seed=0)
+    tokenizer = wordpiece.train_tokenizer(train_docs, vocab_size=args.vocab, cache_dir=args.output_dir / "cache")
     train, held_out = (token_windows(d, tokenizer, args.seq) for d in (train_docs, held_out_docs))
 
     model = build_model(args, len(tokenizer), topology)
