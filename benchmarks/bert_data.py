@@ -53,12 +53,15 @@ PART_BYTES = 100_000_000
 # --------------------------------------------------------------------------- the corpus
 
 
-def generate(out: Path, megabytes: float, seed: int, cache: Path) -> dict[str, Any]:
-    """Write a corpus of ``megabytes`` MB of text (see the module docstring); its record (also ``corpus.json``)."""
+def generate(out: Path, megabytes: float, seed: int, cache: Path, layout: str = "blank-lines") -> dict[str, Any]:
+    """Write a corpus of ``megabytes`` MB of text (see the module docstring) in ``layout`` (``lines``: a document's
+    sentences on one line; ``jsonl``: that line as ``{"text": ...}``); its record (also ``corpus.json``)."""
     import corpora
 
     record_file = out / "corpus.json"
     wanted = {"megabytes": megabytes, "seed": seed, "from": "packages"}
+    wanted |= {"layout": layout} if layout != "blank-lines" else {}
+    suffix = "jsonl" if layout == "jsonl" else "txt"
     if (
         record_file.is_file()
         and {k: v for k, v in json.loads(record_file.read_text()).items() if k in wanted} == wanted
@@ -67,20 +70,25 @@ def generate(out: Path, megabytes: float, seed: int, cache: Path) -> dict[str, A
     documents = corpora.embedded_corpus("packages", cache_dir=cache)
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("part-*.txt"):
+    for stale in out.glob("part-*.*"):
         stale.unlink()
     target, written, part, count = int(megabytes * 1e6), 0, 0, 0
-    file = (out / f"part-{part:05d}.txt").open("w", encoding="utf-8")
+    file = (out / f"part-{part:05d}.{suffix}").open("w", encoding="utf-8")
     while written < target:
         picked = [documents[rng.randrange(len(documents))] for _ in range(rng.randint(1, 4))]
-        text = "\n".join(s for doc in picked for s in doc) + "\n\n"
+        sentences = [s for doc in picked for s in doc]
+        if layout == "blank-lines":
+            text = "\n".join(sentences) + "\n\n"
+        else:
+            line = " ".join(sentences)
+            text = (json.dumps({"text": line}) if layout == "jsonl" else line) + "\n"
         file.write(text)
         size = len(text.encode("utf-8"))
         written, count = written + size, count + 1
         if file.tell() >= PART_BYTES and written < target:
             file.close()
             part += 1
-            file = (out / f"part-{part:05d}.txt").open("w", encoding="utf-8")
+            file = (out / f"part-{part:05d}.{suffix}").open("w", encoding="utf-8")
     file.close()
     record = {**wanted, "bytes": written, "documents": count, "files": part + 1}
     record_file.write_text(json.dumps(record, indent=1) + "\n")
@@ -190,10 +198,10 @@ def _release(port: int) -> None:
 # --------------------------------------------------------------------------- the measurements
 
 
-def prepare_corpus(corpus: Path, shards: Path, log: Path, workers: int) -> dict[str, Any]:
-    """``prepare.py`` on a text corpus with its memory watched; the figures."""
+def prepare_corpus(corpus: Path, shards: Path, log: Path, workers: int, *extra: str) -> dict[str, Any]:
+    """``prepare.py`` on a text corpus (``extra``: its other flags) with its memory watched; the figures."""
     cmd = [sys.executable, "examples/bert/prepare.py", "--text-dir", str(corpus), "--deepspeed_config", CONFIG]
-    cmd += ["--out", str(shards), "--workers", str(workers)]
+    cmd += ["--out", str(shards), "--workers", str(workers), *extra]
     result = watched(cmd, log)
     text = json.loads((corpus / "corpus.json").read_text())["bytes"]
     manifest = json.loads((shards / "manifest.json").read_text()) if result["exit"] == 0 else {}
@@ -206,13 +214,23 @@ def prepare_corpus(corpus: Path, shards: Path, log: Path, workers: int) -> dict[
     }
 
 
-def train(tree: Path, data_args: list[str], out: Path, name: str, cap: Optional[int], minutes: Optional[float]) -> dict:
-    """20 steps of the demo's K-FAC arm on 2 ranks from ``tree``'s ``pretrain.py``; launch-to-step, memory, waits."""
+def train(
+    tree: Path,
+    data_args: list[str],
+    out: Path,
+    name: str,
+    cap: Optional[int],
+    minutes: Optional[float],
+    steps: int = 20,
+    config: str = CONFIG,
+) -> dict:
+    """``steps`` (20) of the demo's K-FAC arm (``config``) on 2 ranks from ``tree``'s ``pretrain.py`` (``data_args``
+    may add ``--resume``, ``--stop-after``); launch-to-step, what each rank read by then, memory, waits."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port)]
-    cmd += [str(tree / "examples/bert/pretrain.py"), "--deepspeed_config", str(ROOT / CONFIG), *data_args]
-    cmd += ["--output-dir", str(out), "--run-name", name, "--max-steps", "20", "--eval-every", "0"]
+    cmd += [str(tree / "examples/bert/pretrain.py"), "--deepspeed_config", str(ROOT / config), *data_args]
+    cmd += ["--output-dir", str(out), "--run-name", name, "--max-steps", str(steps), "--eval-every", "0"]
     try:
         result = watched(cmd, out / f"{name}.log", cap, minutes, tree)
     finally:
@@ -221,7 +239,8 @@ def train(tree: Path, data_args: list[str], out: Path, name: str, cap: Optional[
     ranks = [json.loads(p.read_text()) for p in sorted((run / "ranks").glob("rank-*.json"))]
     if ranks:
         result["first_step_seconds"] = [r["first_step_unix"] - result["started_unix"] for r in ranks]
-        result["resident_bytes_after_20"] = [r["resident_bytes"]["20"] for r in ranks]
+        result["read_bytes_at_first_step"] = [r.get("read_bytes_at_first_step") for r in ranks]
+        result["resident_bytes_after_20"] = [r["resident_bytes"].get("20") for r in ranks]
         result["data_wait_fraction"] = [r["data_wait_seconds"] / r["step_seconds"] for r in ranks]
         import csv
 

@@ -210,6 +210,15 @@ def _two_ranks(config: Path, out: Path, data_args: list[str], damage=None) -> tu
     return ended, damaged[0]
 
 
+def stopped_together(ended: list[launch.Ended], damaged: float, cause: str) -> None:
+    """Every rank exited 1 within 60 s of the damage, and rank 0 wrote one error line matching ``cause``."""
+    assert damaged > 0, "the run ended before the damage"
+    assert [e.code for e in ended] == [1, 1], [e.output[-2000:] for e in ended]
+    assert all(e.seconds - damaged < 60 for e in ended), [(e.seconds, damaged) for e in ended]
+    errors = [line for line in ended[0].output.splitlines() if line.startswith("pretrain.py: error: ")]
+    assert len(errors) == 1 and re.search(cause, errors[0]), errors
+
+
 def test_shards_truncated_while_two_ranks_train_stop_both_naming_the_file(
     two_preparations: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -224,11 +233,7 @@ def test_shards_truncated_while_two_ranks_train_stop_both_naming_the_file(
                 f.truncate(200)
 
     ended, damaged = _two_ranks(config, tmp_path / "out", ["--shards", str(copy)], truncate)
-    assert damaged > 0, "the run ended before the damage"
-    assert [e.code for e in ended] == [1, 1], [e.output[-2000:] for e in ended]
-    assert all(e.seconds - damaged < 60 for e in ended), [(e.seconds, damaged) for e in ended]
-    errors = [line for line in ended[0].output.splitlines() if line.startswith("pretrain.py: error: ")]
-    assert len(errors) == 1 and re.search(r"shard-\d+/tokens\.npy: truncated after preparation", errors[0]), errors
+    stopped_together(ended, damaged, r"shard-\d+/tokens\.npy: truncated after preparation")
     losses = [float(row["loss"]) for row in _metrics(tmp_path / "out" / config.stem)]
     assert 2 <= len(losses) < 400 and all(math.isfinite(loss) for loss in losses)
 
@@ -255,11 +260,7 @@ def test_a_corrupt_nvidia_file_stops_both_ranks_naming_it(hdf5_dir: Path, tmp_pa
             corrupt_chunk(path, "masked_lm_ids")
 
     ended, damaged = _two_ranks(config, tmp_path / "out", ["--nvidia-hdf5", str(copy)], corrupt)
-    assert damaged > 0, "the run ended before the damage"
-    assert [e.code for e in ended] == [1, 1], [e.output[-2000:] for e in ended]
-    assert all(e.seconds - damaged < 60 for e in ended), [(e.seconds, damaged) for e in ended]
-    errors = [line for line in ended[0].output.splitlines() if line.startswith("pretrain.py: error: ")]
-    assert len(errors) == 1 and re.search(r"wiki_training_\d\.hdf5: cannot read its arrays", errors[0]), errors
+    stopped_together(ended, damaged, r"wiki_training_\d\.hdf5: cannot read its arrays")
 
 
 # --------------------------------------------------------------------------- what a checkpoint pins

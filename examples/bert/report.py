@@ -121,6 +121,16 @@ def resident_bytes(pid: int | str = "self") -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def read_bytes() -> Optional[int]:
+    """The bytes this process has read through ``read`` and ``pread`` calls, from disk or the page cache (Linux
+    ``/proc/self/io``'s ``rchar``; ``None`` elsewhere): what a rank read of its data before its first step."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+        return int(next(line for line in lines if line.startswith("rchar:")).removeprefix("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def children() -> list[int]:
     """This process's child processes (its loader workers)."""
     found = []
@@ -133,8 +143,9 @@ def children() -> list[int]:
 
 
 class RankReport:
-    """What one rank reports of its run (``ranks/rank-<r>.json``): when its first step ended, how long its steps
-    took and waited on data, and its resident memory (with its loader workers') after some steps."""
+    """What one rank reports of its run (``ranks/rank-<r>.json``): when its first step ended and what it had read
+    by then, how long its steps took and waited on data, and its resident memory (with its loader workers') after
+    some steps."""
 
     def __init__(self, rank: int) -> None:
         self.record: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "steps": 0, "step_seconds": 0.0}
@@ -146,6 +157,7 @@ class RankReport:
         self.record["data_wait_seconds"] += waited
         if self.record["first_step_unix"] is None:
             self.record["first_step_unix"] = time.time()
+            self.record["read_bytes_at_first_step"] = read_bytes()
         if self.record["steps"] in MEMORY_STEPS or last:
             workers = sum(resident_bytes(pid) for pid in children())
             self.record["resident_bytes"][str(step)] = {"rank": resident_bytes(), "loader_workers": workers}

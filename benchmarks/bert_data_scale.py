@@ -1,0 +1,218 @@
+"""The BERT example's data at the scale users hold it: what a launch and a resume read before step 1 and what a rank
+holds, against the corpus's size; preparation of every text layout; phase 2's shards from phase 1's tokens; and
+NVIDIA's files, read a file ahead, against the synchronous reading. Built on ``bert_data.py``'s corpus generator,
+process-tree watcher and launches::
+
+    python benchmarks/bert_data_scale.py run [--sizes 200 2048] [--repeats 4] [--layouts lines jsonl] \\
+        [--baseline-tree ../before] [--out runs/bert_data_scale]
+
+* ``launches``: for each size, the demo's K-FAC arm for 20 steps on the prepared corpus, the sizes alternating,
+  ``--repeats`` each, then each run stopped at step 10 and resumed: per rank, the bytes read (``/proc/self/io``'s
+  ``rchar``) and the seconds from the launcher's start by its first step, at launch and at ``--resume``, and its
+  resident memory after step 20. The shards were prepared (and stamped) before, as a user's are.
+* ``layouts``: the largest size generated again one document per line and as JSON lines, each prepared with 2
+  workers: peak memory of the process tree and wall seconds, beside the blank-line corpus's.
+* ``phase2``: the smallest corpus's shards paired again at sequence length 128 (``prepare.py --from-shards``)
+  against a full preparation of its text at 128 with phase 1's tokenizer: wall seconds of each.
+* ``nvidia`` (``--baseline-tree``: a checkout before the files were read ahead, e.g. ``git worktree add ../before
+  db5387b``): ``--nvidia-files`` HDF5 files of ``--nvidia-rows`` rows at sequence length 128 in NVIDIA's layout
+  (random ids, static masks), trained for enough steps to cross two file switches by this tree and by the baseline,
+  alternating: the share of each step spent waiting on data.
+
+The JSON goes to ``benchmarks/results/bert_data_scale.json`` (with the command), nothing absolute in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from bert_data import CONFIG, ROOT, generate, prepare_corpus, train, watched
+from time_to_target import portable
+
+RESULT = ROOT / "benchmarks" / "results" / "bert_data_scale.json"
+NVIDIA_SEQ, NVIDIA_PREDICTIONS = 128, 20
+
+
+def _config(out: Path, name: str, **bert: Any) -> str:
+    """The demo's K-FAC config with ``bert`` keys set, written under ``out``; its path."""
+    config = json.loads((ROOT / CONFIG).read_text())
+    config["bert"].update(bert)
+    path = out / name
+    path.write_text(json.dumps(config, indent=1))
+    return str(path)
+
+
+def launches(out: Path, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Launch and resume figures per size (see the module docstring)."""
+    runs: dict[str, list[dict[str, Any]]] = {f"{mb}mb": [] for mb in sizes}
+    resumes: dict[str, list[dict[str, Any]]] = {f"{mb}mb": [] for mb in sizes}
+    for repeat in range(repeats):
+        for mb in sizes if repeat % 2 == 0 else reversed(sizes):
+            data = ["--shards", str(out / f"shards-{mb}mb")]
+            name = f"{mb}mb-{repeat}"
+            runs[f"{mb}mb"].append(train(ROOT, data, out / "train", name, None, 15))
+            train(ROOT, data + ["--stop-after", "10"], out / "resume", name, None, 15)
+            resumes[f"{mb}mb"].append(train(ROOT, data + ["--resume"], out / "resume", name, None, 15))
+            print(f"launch {name}: {json.dumps(runs[f'{mb}mb'][-1])}", flush=True)
+    small, large = f"{min(sizes)}mb", f"{max(sizes)}mb"
+
+    def median(records: list[dict], key: str, pick: Any = max) -> float:
+        return statistics.median(pick(r[key]) for r in records if key in r)
+
+    def ratio(records: dict[str, list[dict]], key: str, pick: Any = max) -> float:
+        return median(records[large], key, pick) / median(records[small], key, pick)
+
+    def rank_rss(values: list[dict]) -> float:
+        return max(v["rank"] for v in values if v)
+
+    return {
+        "runs": runs,
+        "resumes": resumes,
+        "figures": {
+            "read_bytes_before_step_1_ratio": ratio(runs, "read_bytes_at_first_step"),
+            "read_bytes_before_step_1_ratio_at_resume": ratio(resumes, "read_bytes_at_first_step"),
+            "first_step_seconds_ratio": ratio(runs, "first_step_seconds"),
+            "first_step_seconds_ratio_at_resume": ratio(resumes, "first_step_seconds"),
+            "rank_resident_after_20_ratio": ratio(runs, "resident_bytes_after_20", rank_rss),
+            "read_bytes_before_step_1": {s: median(runs[s], "read_bytes_at_first_step") for s in runs},
+        },
+    }
+
+
+def layouts(out: Path, size: int, names: list[str], workers: int, cache: Path) -> dict[str, Any]:
+    """The largest size in each layout, prepared: peak memory and seconds (blank-line figures from ``run``)."""
+    found = {}
+    for layout in names:
+        corpus = out / f"corpus-{size}mb-{layout}"
+        generate(corpus, size, 0, cache, layout)
+        shards = out / f"shards-{size}mb-{layout}"
+        subprocess.run(["rm", "-rf", str(shards)], check=True)
+        found[layout] = prepare_corpus(corpus, shards, out / f"prepare-{layout}.log", workers, "--layout", layout)
+        print(f"layout {layout}: {json.dumps(found[layout])}", flush=True)
+    return found
+
+
+def phase2(out: Path, size: int, workers: int) -> dict[str, Any]:
+    """Phase 2's shards at sequence length 128 from phase 1's tokens, against a full preparation of the text."""
+    config = _config(out, "phase2.json", max_seq_length=128)
+    phase1 = out / f"shards-{size}mb"
+    common = ["--deepspeed_config", config, "--workers", str(workers)]
+    found = {}
+    for name, args in {
+        "from_shards": ["--from-shards", str(phase1)],
+        "full": ["--text-dir", str(out / f"corpus-{size}mb"), "--tokenizer", str(phase1 / "tokenizer")],
+    }.items():
+        shards = out / f"phase2-{name}"
+        subprocess.run(["rm", "-rf", str(shards)], check=True)
+        cmd = [sys.executable, "examples/bert/prepare.py", *args, *common, "--out", str(shards)]
+        found[name] = watched(cmd, out / f"phase2-{name}.log")
+    found["speed_up"] = found["full"]["seconds"] / found["from_shards"]["seconds"]
+    return found
+
+
+def nvidia_files(out: Path, files: int, rows: int, seed: int = 0) -> Path:
+    """``files`` HDF5 training files and a test file in NVIDIA's layout (dtypes, shapes, gzip), random ids."""
+    import h5py
+
+    root = out / f"nvidia-{files}x{rows}"
+    if (root / "complete").is_file():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name in [f"wiki_training_{i}.hdf5" for i in range(files)] + ["wiki_test_0.hdf5"]:
+        count = rows if "training" in name else 2048
+        ids = rng.integers(5, 1024, size=(count, NVIDIA_SEQ), dtype=np.int32)
+        positions = np.sort(rng.choice(np.arange(1, NVIDIA_SEQ - 1), NVIDIA_PREDICTIONS, replace=False))
+        arrays = {
+            "input_ids": ids,
+            "input_mask": np.ones((count, NVIDIA_SEQ), np.int8),
+            "segment_ids": (np.arange(NVIDIA_SEQ) >= NVIDIA_SEQ // 2).astype(np.int8)[None].repeat(count, 0),
+            "masked_lm_positions": np.broadcast_to(positions, (count, NVIDIA_PREDICTIONS)).astype(np.int32),
+            "masked_lm_ids": ids[:, positions],
+            "next_sentence_labels": rng.integers(0, 2, size=count).astype(np.int8),
+        }
+        with h5py.File(root / name, "w") as f:
+            for key, value in arrays.items():
+                f.create_dataset(key, data=value, compression="gzip")
+    (root / "complete").write_text("")
+    return root
+
+
+def nvidia(out: Path, files: int, rows: int, repeats: int, baseline: Optional[Path]) -> dict[str, Any]:
+    """The share of a step spent waiting on data across file switches, this tree against ``baseline``."""
+    root = nvidia_files(out, files, rows)
+    config = _config(out, "nvidia.json", max_seq_length=NVIDIA_SEQ)
+    micro, accum = 32, json.loads((ROOT / CONFIG).read_text())["gradient_accumulation_steps"]
+    steps = int(2.2 * rows / micro / accum)  # past two file switches on every rank
+    trees = {"ahead": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for repeat in range(repeats):
+        for name, tree in trees.items() if repeat % 2 == 0 else reversed(trees.items()):
+            record = train(tree, ["--nvidia-hdf5", str(root)], out / "nvidia", f"{name}-{repeat}", None, 60, steps,
+                           config)  # fmt: skip
+            runs[name].append(record)
+            print(f"nvidia {name} #{repeat}: {json.dumps(record)}", flush=True)
+    waits = {
+        name: [max(r["data_wait_fraction"]) for r in done if "data_wait_fraction" in r] for name, done in runs.items()
+    }
+    return {"steps": steps, "runs": runs, "data_wait_fraction": waits}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    cache = ROOT / "runs" / "bert-cache" / "corpus-cache"
+    result: dict[str, Any] = {
+        "command": "python benchmarks/bert_data_scale.py run " + " ".join(args.argv),
+        "config": CONFIG,
+        "versions": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "prepare": {},
+    }
+    for mb in args.sizes:
+        corpus, shards = out / f"corpus-{mb}mb", out / f"shards-{mb}mb"
+        generate(corpus, mb, 0, cache)
+        if not (shards / "manifest.json").is_file():
+            result["prepare"][mb] = prepare_corpus(corpus, shards, out / f"prepare-{mb}mb.log", args.workers)
+    started = time.time()
+    result["launches"] = launches(out, args.sizes, args.repeats)
+    if args.layouts:
+        result["layouts"] = layouts(out, max(args.sizes), args.layouts, args.workers, cache)
+    result["phase2"] = phase2(out, min(args.sizes), args.workers)
+    if args.nvidia_files:
+        result["nvidia"] = nvidia(out, args.nvidia_files, args.nvidia_rows, args.repeats, args.baseline_tree)
+    result["seconds"] = time.time() - started
+    return portable(result)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    go = sub.add_parser("run", help="the measurements")
+    go.add_argument("--sizes", type=int, nargs="+", default=[200, 2048], help="MB of text of each generated corpus")
+    go.add_argument("--repeats", type=int, default=2, help="runs per arm, alternating")
+    go.add_argument("--layouts", nargs="*", default=["lines", "jsonl"], help="layouts prepared at the largest size")
+    go.add_argument("--workers", type=int, default=2)
+    go.add_argument("--nvidia-files", type=int, default=3, help="NVIDIA training files (0: none)")
+    go.add_argument("--nvidia-rows", type=int, default=20_000, help="rows a file (NVIDIA's hold about 100k)")
+    go.add_argument("--baseline-tree", type=Path, help="a checkout reading NVIDIA's files synchronously")
+    go.add_argument("--out", type=Path, default=ROOT / "runs" / "bert_data_scale")
+    go.add_argument("--result", type=Path, default=RESULT)
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[2:] if argv is None else argv[1:]
+    result = run(args)
+    args.result.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["launches"]["figures"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
