@@ -41,6 +41,7 @@ from time_to_target import portable
 
 RESULT = ROOT / "benchmarks" / "results" / "bert_data_scale.json"
 NVIDIA_SEQ, NVIDIA_PREDICTIONS = 128, 20
+PARTS = ["launches", "layouts", "phase2", "nvidia"]
 
 
 def _config(out: Path, name: str, **bert: Any) -> str:
@@ -184,11 +185,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not (shards / "manifest.json").is_file():
             result["prepare"][mb] = prepare_corpus(corpus, shards, out / f"prepare-{mb}mb.log", args.workers)
     started = time.time()
-    result["launches"] = launches(out, args.sizes, args.repeats)
-    if args.layouts:
+    if "launches" in args.parts:
+        result["launches"] = launches(out, args.sizes, args.repeats)
+    if "layouts" in args.parts and args.layouts:
         result["layouts"] = layouts(out, max(args.sizes), args.layouts, args.workers, cache)
-    result["phase2"] = phase2(out, min(args.sizes), args.workers)
-    if args.nvidia_files:
+    if "phase2" in args.parts:
+        result["phase2"] = phase2(out, min(args.sizes), args.workers)
+    if "nvidia" in args.parts and args.nvidia_files:
         result["nvidia"] = nvidia(out, args.nvidia_files, args.nvidia_rows, args.repeats, args.baseline_tree)
     result["seconds"] = time.time() - started
     return portable(result)
@@ -205,13 +208,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     go.add_argument("--nvidia-files", type=int, default=3, help="NVIDIA training files (0: none)")
     go.add_argument("--nvidia-rows", type=int, default=20_000, help="rows a file (NVIDIA's hold about 100k)")
     go.add_argument("--baseline-tree", type=Path, help="a checkout reading NVIDIA's files synchronously")
+    go.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="the measurements to make")
     go.add_argument("--out", type=Path, default=ROOT / "runs" / "bert_data_scale")
     go.add_argument("--result", type=Path, default=RESULT)
     args = parser.parse_args(argv)
     args.argv = sys.argv[2:] if argv is None else argv[1:]
     result = run(args)
     args.result.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["launches"]["figures"], indent=1))
+    print(json.dumps({part: result[part].get("figures") for part in PARTS if part in result}, indent=1))
 
 
 if __name__ == "__main__":

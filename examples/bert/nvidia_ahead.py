@@ -8,7 +8,8 @@ is complete) as soon as the loader workers may have started on the visit before 
 once the training has consumed all of its micro-batches (the loader makes a micro-batch before training takes it).
 So shared memory holds the file being trained on, the next one, and what the workers' ``--prefetch`` reaches, not
 the corpus. h5py holds the GIL while it decompresses, so a thread in a loader worker would stall that worker's
-micro-batches: hence a process, spawned by the rank (loader workers are daemonic and may start none).
+micro-batches: hence a process, started by the rank (loader workers are daemonic and may start none), forked as
+the loader's workers are, so that it is ready at once.
 
 A file that does not decompress leaves ``visit-<v>.error`` with the reason, which the worker waiting for it turns
 into a fault naming the file (every rank stops, :mod:`faults`); a reader that died is found the same way. The
@@ -107,7 +108,8 @@ class Ahead:
     def __init__(self, order: Any, start: int, lead: int) -> None:
         remove_stale()
         self.directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}_", dir=ROOT))
-        context = multiprocessing.get_context("spawn")
+        methods = multiprocessing.get_all_start_methods()  # forked: started at once (spawned: 2 s of imports first)
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         self.consumed = context.RawValue("q", start)
         args = (order, str(self.directory), start, lead, self.consumed, os.getpid())
         self.process = context.Process(target=_read_ahead, args=args, daemon=True)
