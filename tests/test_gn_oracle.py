@@ -1,0 +1,103 @@
+"""The Gauss-Newton oracle (``benchmarks/gn_oracle.py``) against float64 references built explicitly: the
+Gauss-Newton matrix ``J^T H J`` from the full Jacobian and each position's softmax Hessian, its damped solve and its
+diagonal blocks' solves by ``torch.linalg.solve``, and the quadratic model's report on updates whose answer is
+known."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import gn_oracle  # noqa: E402
+
+B, T, D, H, V = 3, 4, 5, 6, 7
+
+
+class TwoHeads(torch.nn.Module):
+    """Token logits and a sequence classifier, as BERT's masked-LM and next-sentence heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(D, H)
+        self.tokens = torch.nn.Linear(H, V)
+        self.pair = torch.nn.Linear(H, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.inner(x))
+        return self.tokens(hidden), self.pair(hidden.mean(1))
+
+
+@pytest.fixture
+def problem():
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    labelled = torch.rand(B, T) < 0.6
+    labelled[0, 0] = True
+    weights = (labelled.double() / labelled.sum(), torch.full((B,), 1.0 / B, dtype=torch.float64))
+    params = dict(model.named_parameters())
+
+    def f(p):
+        return torch.func.functional_call(model, p, (x,))
+
+    curvature = gn_oracle.GaussNewton(f, params, gn_oracle.cross_entropy_hessian(weights))
+    flat = curvature.flat(params).detach()
+
+    def outputs_of(vector):
+        return torch.cat([o.reshape(-1) for o in f(curvature.split(vector))])
+
+    jacobian = torch.autograd.functional.jacobian(outputs_of, flat)  # [outputs, parameters]
+    blocks = []
+    for logits, weight in zip(f(params), weights):
+        p = torch.softmax(logits.detach(), -1).reshape(-1, logits.shape[-1])
+        for row, w in zip(p, weight.reshape(-1)):
+            blocks.append(w * (torch.diag(row) - torch.outer(row, row)))
+    hessian = torch.block_diag(*blocks)
+    explicit = jacobian.T @ hessian @ jacobian
+    gradient = torch.randn(len(flat), dtype=torch.float64)
+    return curvature, explicit, gradient
+
+
+def test_products_are_the_explicit_gauss_newton_matrix_times_the_vector(problem) -> None:
+    curvature, explicit, _ = problem
+    for seed in range(3):
+        v = torch.randn(explicit.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        assert torch.allclose(curvature.product(v), explicit @ v, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(explicit, explicit.T, atol=1e-12) and torch.linalg.eigvalsh(explicit).min() > -1e-12
+
+
+def test_the_step_is_the_damped_solve_whole_and_block_by_block(problem) -> None:
+    curvature, explicit, gradient = problem
+    damping = 1e-3
+    eye = torch.eye(len(gradient), dtype=torch.float64)
+    step, (solved,) = gn_oracle.gauss_newton_step(curvature, gradient, damping, 500, 1e-12)
+    assert torch.allclose(step, torch.linalg.solve(explicit + damping * eye, -gradient), rtol=1e-7, atol=1e-9)
+    assert solved.residual <= 1e-12
+    groups = [["inner.weight", "inner.bias"], ["tokens.weight", "tokens.bias"], ["pair.weight", "pair.bias"]]
+    blocked, solves = gn_oracle.gauss_newton_step(curvature, gradient, damping, 500, 1e-12, groups)
+    for index, solved in zip(curvature.blocks(groups), solves):
+        block = explicit[index][:, index] + damping * torch.eye(len(index), dtype=torch.float64)
+        assert torch.allclose(blocked[index], torch.linalg.solve(block, -gradient[index]), rtol=1e-7, atol=1e-9)
+    assert len(solves) == 3 and not torch.allclose(blocked, step)  # the cross-layer terms matter
+
+
+def test_the_quadratic_report_splits_direction_and_scale(problem) -> None:
+    """The oracle scores 1; twice the oracle has its direction (1) but no reduction at that scale (0, best scale
+    1/2); another direction at its best scale scores its direction's share."""
+    curvature, explicit, gradient = problem
+    damping = 1e-2
+    oracle, _ = gn_oracle.gauss_newton_step(curvature, gradient, damping, 500, 1e-12)
+    same = gn_oracle.quadratic_report(curvature, gradient, damping, oracle, oracle)
+    assert same["fraction"] == pytest.approx(1, abs=1e-9) and same["best_scale"] == pytest.approx(1, abs=1e-9)
+    double = gn_oracle.quadratic_report(curvature, gradient, damping, 2 * oracle, oracle)
+    assert double["fraction"] == pytest.approx(0, abs=1e-9) and double["direction"] == pytest.approx(1, abs=1e-9)
+    assert double["best_scale"] == pytest.approx(0.5, abs=1e-9)
+    sgd = gn_oracle.quadratic_report(curvature, gradient, damping, -gradient, oracle)
+    a = explicit + damping * torch.eye(len(gradient), dtype=torch.float64)
+    expected = (gradient @ gradient) ** 2 / (gradient @ a @ gradient) / (gradient @ torch.linalg.solve(a, gradient))
+    assert sgd["direction"] == pytest.approx(float(expected), rel=1e-7) and 0 < sgd["direction"] < 1
+    assert sgd["fraction"] == pytest.approx(sgd["direction"] * sgd["scale"], rel=1e-9)
