@@ -101,3 +101,23 @@ def test_the_quadratic_report_splits_direction_and_scale(problem) -> None:
     expected = (gradient @ gradient) ** 2 / (gradient @ a @ gradient) / (gradient @ torch.linalg.solve(a, gradient))
     assert sgd["direction"] == pytest.approx(float(expected), rel=1e-7) and 0 < sgd["direction"] < 1
     assert sgd["fraction"] == pytest.approx(sgd["direction"] * sgd["scale"], rel=1e-9)
+
+
+def test_bert_blocks_cover_every_parameter_once_and_batches_join_padded() -> None:
+    """The layerwise oracle's blocks on BERT: every parameter in exactly one block, the tied decoder weight in the
+    word embedding's; micro-batches of different lengths joined padded as the collation pads."""
+    transformers = pytest.importorskip("transformers")
+    import gn_oracle_bert
+
+    config = transformers.BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, max_position_embeddings=16)  # fmt: skip
+    model = transformers.BertForPreTraining(config)
+    groups = gn_oracle_bert.layer_groups(model)
+    names = [name for group in groups for name in group]
+    assert sorted(names) == sorted(dict(model.named_parameters())) and len(names) == len(set(names))
+    assert ["bert.embeddings.word_embeddings.weight"] in groups
+    short = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.full((2, 3), 7)}
+    long = {"input_ids": torch.ones(2, 5, dtype=torch.long), "labels": torch.full((2, 5), 7)}
+    joined = gn_oracle_bert.joined([short, long], 3)
+    assert joined["input_ids"].shape == (3, 5) and joined["input_ids"][0].tolist() == [1, 1, 1, 0, 0]
+    assert joined["labels"][1].tolist() == [7, 7, 7, -100, -100] and joined["labels"][2].tolist() == [7] * 5
