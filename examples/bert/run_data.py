@@ -141,6 +141,7 @@ class ShardSource:
             **manifest["totals"],
             "max_seq_length": manifest["max_seq_length"],
             "vocab_size": self.vocab_size,
+            "sample_order": loading.order_name(self.order),
         }
 
     def batches(self, micro: int, accum: int) -> tuple[Dataset, Any, list[dict[str, torch.Tensor]]]:
