@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 from transformers import BertConfig, BertForPreTraining
@@ -219,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     ds_kfac.init_distributed()  # deepspeed.init_distributed, refusing a stale build lock instead of hanging
+    # Each rank on its own device before the data's collectives (NCCL's run on the current device; the engine sets
+    # it later, too late for them). A no-op on the CPU.
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = dist.get_rank(), dist.get_world_size()
     with refused_input():
         config, bert = recipe.read_config(args.deepspeed_config)
