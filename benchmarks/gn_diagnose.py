@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "bert"))
@@ -55,17 +54,8 @@ def diagnose(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = gn_oracle_bert.model_from(phase1, bert, found.vocab_size).train()
     reference = gn_oracle_bert.model_from(phase1, bert, found.vocab_size)  # the oracle's copy, at each step's start
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
-    decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     schedule = pretrain.poly_warmup(steps, bert["warmup_proportion"], bert["poly_power"])
-    engine, _, _, _ = ds_kfac.initialize(
-        model=model,
-        model_parameters=groups,
-        optimizer=ds_kfac.optimizers.client.pop_client_optimizer(config, groups, args.seed),
-        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule),
-        config=config,
-    )
+    engine = pretrain.build_engine(model, config, schedule, args.seed)
     train, order, _ = found.batches(micro, args.batch // micro)
     batches = found.loader(train, order, 0, steps)
     records = []

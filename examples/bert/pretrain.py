@@ -52,9 +52,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,9 +75,9 @@ import shards  # noqa: E402
 
 import ds_kfac  # noqa: E402
 
-T = TypeVar("T")
-
 ROOT = Path(__file__).resolve().parents[2]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", type=Path, help="prepared shards (examples/bert/prepare.py)")
@@ -179,6 +179,25 @@ def poly_warmup(max_steps: int, warmup_proportion: float, power: float):
     return factor
 
 
+def build_engine(
+    model: torch.nn.Module, config: dict[str, Any], schedule: Callable[[int], float], seed: int
+) -> Any:
+    """``ds_kfac.initialize`` on BERT as NVIDIA's recipe groups its parameters (no weight decay on biases and
+    LayerNorms), with the config's optimizer (or its ``"client_optimizer"``) and ``schedule`` as the learning rate's
+    factor per step."""
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
+    decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    engine, _, _, _ = ds_kfac.initialize(
+        model=model,
+        model_parameters=groups,
+        optimizer=ds_kfac.optimizers.client.pop_client_optimizer(config, groups, seed),
+        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule),
+        config=config,
+    )
+    return engine
+
+
 @contextlib.contextmanager
 def refused_input() -> Iterator[None]:
     """Bad data or config found before step 1 on any rank: one line naming it (rank 0), exit 2 on every rank.
@@ -246,16 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     model = BertForPreTraining(BertConfig(**model_config))
     max_steps = bert["max_steps"]
     schedule = poly_warmup(max_steps, bert["warmup_proportion"], bert["poly_power"])
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
-    decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    engine, _, _, _ = ds_kfac.initialize(
-        model=model,
-        model_parameters=groups,
-        optimizer=ds_kfac.optimizers.client.pop_client_optimizer(config, groups, args.seed),
-        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule),
-        config=config,
-    )
+    engine = build_engine(model, config, schedule, args.seed)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     global_batch = micro * accum * world
     with refused_input():
