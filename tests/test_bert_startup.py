@@ -111,3 +111,12 @@ def test_the_keyed_order_holds_nothing_per_pair() -> None:
     step = [i for order in orders for _, rows in order.step(9) for i in rows]
     window = loading.keyed_permutation(np.arange(9 * 32, 10 * 32), 10**9, 3 * 7919)
     assert sorted(step) == sorted(window.tolist())
+
+
+def test_every_module_of_the_example_imports() -> None:
+    """Every module of ``examples/bert`` imports, its names from the others resolved (a name moved between modules
+    breaks a script no test launches, such as ``finetune_trainer.py``)."""
+    import importlib
+
+    for path in sorted((ROOT / "examples/bert").glob("*.py")):
+        importlib.import_module(path.stem)

@@ -33,7 +33,8 @@ import masking  # noqa: E402
 import pairing  # noqa: E402
 import sources  # noqa: E402
 import wordpiece  # noqa: E402
-from pretrain import ROOT, rank_zero_first  # noqa: E402
+from pretrain import ROOT  # noqa: E402
+from run_data import rank_zero_first  # noqa: E402
 
 import ds_kfac  # noqa: E402
 from ds_kfac.hf import KFACTrainer  # noqa: E402

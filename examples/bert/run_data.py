@@ -39,7 +39,6 @@ PREPARATION_CODE = hashlib.sha256(
 """Keys the embedded corpus's prepared shards with the code that prepares them."""
 
 
-
 def rank_zero_first(build: Callable[[], T]) -> T:
     """``build()`` on rank 0, then on the other ranks: rank 0 fills a cache the others read. Rank 0's failure
     (bad input) is every rank's (:class:`faults.DataFault`), none left waiting for it."""
