@@ -18,8 +18,11 @@ process-tree watcher and launches::
   db5387b``): ``--nvidia-files`` HDF5 files of ``--nvidia-rows`` rows at sequence length 128 in NVIDIA's layout
   (random ids, static masks), trained for enough steps to cross two file switches by this tree and by the baseline,
   alternating: the share of each step spent waiting on data.
+* ``demo``: the demo's two arms on the embedded corpus for ``--demo-steps`` steps at each of ``--demo-seeds``, by
+  this tree and by ``--baseline-tree``: each step's training loss, equal where both trees gave the same batches.
 
-The JSON goes to ``benchmarks/results/bert_data_scale.json`` (with the command), nothing absolute in it.
+The JSON goes to ``benchmarks/results/bert_data_scale.json``, each part with the command that measured it, so parts
+can be measured in separate runs into one file; nothing absolute in it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from time_to_target import portable
 
 RESULT = ROOT / "benchmarks" / "results" / "bert_data_scale.json"
 NVIDIA_SEQ, NVIDIA_PREDICTIONS = 128, 20
-PARTS = ["launches", "layouts", "phase2", "nvidia"]
+PARTS = ["launches", "layouts", "phase2", "nvidia", "demo"]
 
 
 def _config(out: Path, name: str, **bert: Any) -> str:
@@ -56,6 +59,8 @@ def _config(out: Path, name: str, **bert: Any) -> str:
 def launches(out: Path, sizes: list[int], repeats: int) -> dict[str, Any]:
     """Launch and resume figures per size (see the module docstring)."""
     runs: dict[str, list[dict[str, Any]]] = {f"{mb}mb": [] for mb in sizes}
+    # one launch not counted: a first launch may build DeepSpeed's extensions and finds the page cache cold
+    warm_up = train(ROOT, ["--shards", str(out / f"shards-{min(sizes)}mb")], out / "warm_up", "warm_up", None, 15, 2)
     resumes: dict[str, list[dict[str, Any]]] = {f"{mb}mb": [] for mb in sizes}
     for repeat in range(repeats):
         for mb in sizes if repeat % 2 == 0 else reversed(sizes):
@@ -77,6 +82,7 @@ def launches(out: Path, sizes: list[int], repeats: int) -> dict[str, Any]:
         return max(v["rank"] for v in values if v)
 
     return {
+        "warm_up": warm_up,
         "runs": runs,
         "resumes": resumes,
         "figures": {
@@ -169,31 +175,54 @@ def nvidia(out: Path, files: int, rows: int, repeats: int, baseline: Optional[Pa
     return {"steps": steps, "runs": runs, "data_wait_fraction": waits}
 
 
+def demo(out: Path, seeds: list[int], steps: int, baseline: Optional[Path]) -> dict[str, Any]:
+    """The demo's two arms on the embedded corpus, ``steps`` steps a seed, by this tree and by ``baseline``: each
+    step's training loss, which is the same in both where the data path gave the same batches (so the demo's
+    ratio is)."""
+    import csv
+
+    trees = {"now": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
+    arms = {"base": "configs/bert_cpu_phase2_base.json", "kfac": CONFIG}
+    losses: dict[str, dict[str, list[float]]] = {}
+    for seed in seeds:
+        for arm, config in arms.items():
+            for name, tree in trees.items():
+                run_name = f"{name}-{arm}-seed{seed}"
+                record = train(tree, ["--seed", str(seed)], out / "demo", run_name, None, 15, steps, config)
+                with (out / "demo" / run_name / "metrics.csv").open() as f:
+                    losses.setdefault(f"{arm}-seed{seed}", {})[name] = [float(r["loss"]) for r in csv.DictReader(f)]
+                print(f"demo {run_name}: exit {record['exit']}", flush=True)
+    differences = {
+        key: max(abs(a - b) for a, b in zip(runs["now"], runs["baseline"])) if "baseline" in runs else None
+        for key, runs in losses.items()
+    }
+    return {"steps": steps, "losses": losses, "max_abs_loss_difference": differences}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     cache = ROOT / "runs" / "bert-cache" / "corpus-cache"
-    result: dict[str, Any] = {
-        "command": "python benchmarks/bert_data_scale.py run " + " ".join(args.argv),
-        "config": CONFIG,
-        "versions": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "prepare": {},
-    }
+    command = "python benchmarks/bert_data_scale.py run " + " ".join(args.argv)
+    result: dict[str, Any] = json.loads(args.result.read_text()) if args.result.is_file() else {}
+    result.update(config=CONFIG, versions={"python": platform.python_version(), "cpus": os.cpu_count()})
+    result.setdefault("prepare", {})
     for mb in args.sizes:
         corpus, shards = out / f"corpus-{mb}mb", out / f"shards-{mb}mb"
         generate(corpus, mb, 0, cache)
         if not (shards / "manifest.json").is_file():
-            result["prepare"][mb] = prepare_corpus(corpus, shards, out / f"prepare-{mb}mb.log", args.workers)
-    started = time.time()
-    if "launches" in args.parts:
-        result["launches"] = launches(out, args.sizes, args.repeats)
-    if "layouts" in args.parts and args.layouts:
-        result["layouts"] = layouts(out, max(args.sizes), args.layouts, args.workers, cache)
-    if "phase2" in args.parts:
-        result["phase2"] = phase2(out, min(args.sizes), args.workers)
-    if "nvidia" in args.parts and args.nvidia_files:
-        result["nvidia"] = nvidia(out, args.nvidia_files, args.nvidia_rows, args.repeats, args.baseline_tree)
-    result["seconds"] = time.time() - started
+            result["prepare"][str(mb)] = prepare_corpus(corpus, shards, out / f"prepare-{mb}mb.log", args.workers)
+    measure = {
+        "launches": lambda: launches(out, args.sizes, args.repeats),
+        "layouts": lambda: layouts(out, max(args.sizes), args.layouts, args.workers, cache),
+        "phase2": lambda: phase2(out, min(args.sizes), args.workers),
+        "nvidia": lambda: nvidia(out, args.nvidia_files, args.nvidia_rows, args.repeats, args.baseline_tree),
+        "demo": lambda: demo(out, args.demo_seeds, args.demo_steps, args.baseline_tree),
+    }
+    for part in args.parts:
+        started = time.time()
+        result[part] = {**measure[part](), "command": command, "seconds": time.time() - started}
+        args.result.write_text(json.dumps(portable(result), indent=1) + "\n")
     return portable(result)
 
 
@@ -208,13 +237,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     go.add_argument("--nvidia-files", type=int, default=3, help="NVIDIA training files (0: none)")
     go.add_argument("--nvidia-rows", type=int, default=20_000, help="rows a file (NVIDIA's hold about 100k)")
     go.add_argument("--baseline-tree", type=Path, help="a checkout reading NVIDIA's files synchronously")
+    go.add_argument("--demo-seeds", type=int, nargs="+", default=[0, 1, 2])
+    go.add_argument("--demo-steps", type=int, default=10, help="steps of each demo arm, by each tree")
     go.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="the measurements to make")
     go.add_argument("--out", type=Path, default=ROOT / "runs" / "bert_data_scale")
     go.add_argument("--result", type=Path, default=RESULT)
     args = parser.parse_args(argv)
     args.argv = sys.argv[2:] if argv is None else argv[1:]
     result = run(args)
-    args.result.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({part: result[part].get("figures") for part in PARTS if part in result}, indent=1))
 
 

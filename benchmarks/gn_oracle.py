@@ -73,6 +73,17 @@ class GaussNewton:
         self.products += 1
         return self.flat(pulled)
 
+    def forms(self, vectors: list[Tensor]) -> Tensor:
+        """The matrix ``V^T G V`` of ``vectors`` (``V``'s columns): one forward-mode pass each, no backward."""
+        jvs = [torch.func.jvp(self.f, (self.params,), (self.split(v),))[1] for v in vectors]
+        self.products += len(vectors)
+        out = torch.empty(len(vectors), len(vectors), dtype=torch.float64)
+        for i, ju in enumerate(jvs):
+            hu = self.hessian(self.outputs, ju)
+            for j in range(i, len(vectors)):
+                out[i, j] = out[j, i] = sum(float((a * b).sum()) for a, b in zip(hu, jvs[j]))
+        return out
+
     def blocks(self, groups: list[list[str]]) -> list[Tensor]:
         """Each group's positions in the flat vector (a block of the block-diagonal matrix)."""
         offsets, start = {}, 0
@@ -137,6 +148,25 @@ def gauss_newton_step(
 def quadratic_model(curvature: GaussNewton, gradient: Tensor, damping: float, update: Tensor) -> float:
     """``M(u) = g.u + u.(G + damping I)u / 2``: the batch's loss change the damped quadratic model predicts."""
     return float(gradient.dot(update) + 0.5 * update.dot(curvature.product(update) + damping * update))
+
+
+def rescaled(
+    curvature: GaussNewton, gradient: Tensor, damping: float, update: Tensor, previous: Optional[Tensor],
+    max_scale: float,
+) -> tuple[float, float]:  # fmt: skip
+    """Martens and Grosse's choice (K-FAC, sections 6.4 and 7): the ``(alpha, mu)`` minimizing the damped quadratic
+    model ``M(alpha u + mu p)`` of the proposed ``update`` ``u`` and the ``previous`` step ``p`` (``mu = 0`` without
+    one), solved as the 2 x 2 (or 1 x 1) system of ``V^T (G + damping I) V``. ``alpha`` is clipped to
+    ``[0, max_scale]``; a system that is not positive definite, or a slope that is not downhill, keeps ``(1, 0)``."""
+    vectors = [update] if previous is None else [update, previous]
+    matrix = curvature.forms(vectors) + damping * torch.tensor([[a.dot(b).item() for b in vectors] for a in vectors],
+                                                               dtype=torch.float64)  # fmt: skip
+    slopes = torch.tensor([float(gradient.dot(v)) for v in vectors], dtype=torch.float64)
+    if slopes[0] >= 0 or torch.linalg.eigvalsh(matrix).min() <= 0:
+        return 1.0, 0.0
+    solution = torch.linalg.solve(matrix, -slopes)
+    alpha = min(max(float(solution[0]), 0.0), max_scale)
+    return alpha, float(solution[1]) if previous is not None else 0.0
 
 
 def quadratic_report(

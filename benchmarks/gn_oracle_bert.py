@@ -141,14 +141,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seconds += elapsed
         row: dict[str, object] = {"step": step + 1, "samples": (step + 1) * args.batch, "seconds": f"{seconds:.3f}"}
         row.update(loss=f"{loss:.6f}", lr=f"{rate:.6g}", data_seconds="0")
-        if (step + 1) % bert["eval_every"] == 0 or step + 1 == steps:
+        reached = False
+        if (step + 1) % (args.eval_every or bert["eval_every"]) == 0 or step + 1 == steps:
             mlm, accuracy = pretrain.evaluate(model, held_out)
             model.eval()  # evaluate() leaves the model in train mode
             row.update(held_out_mlm_loss=f"{mlm:.6f}", held_out_mlm_accuracy=f"{accuracy:.6f}")
+            reached = args.stop_at is not None and mlm <= args.stop_at
         writer.write(row)
         solved = {"iterations": [s.iterations for s in solves], "residuals": [s.residual for s in solves]}
         records.append({"step": step + 1, "seconds": elapsed, "products": curvature.products, **solved})
         print(json.dumps({**row, "products": curvature.products}), flush=True)
+        if reached:
+            break
     del batches
     dist.destroy_process_group()
     result = {
@@ -173,7 +177,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     go.add_argument("--curvature-batch", type=int, default=64, help="sequences the products are taken on")
     go.add_argument("--cg-iterations", type=int, default=10)
     go.add_argument("--tolerance", type=float, default=1e-3, help="CG's relative residual")
-    go.add_argument("--steps", type=int, help="default: the config's bert.max_steps")
+    go.add_argument("--steps", type=int, help="default: the config's bert.max_steps (the schedule's length)")
+    go.add_argument("--eval-every", type=int, help="held-out loss every this many steps (default: the config's)")
+    go.add_argument("--stop-at", type=float, help="stop once the held-out masked-LM loss is at or below this")
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--threads", type=int, default=2)
     go.add_argument("--port", type=int, default=29533)

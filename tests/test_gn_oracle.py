@@ -121,3 +121,26 @@ def test_bert_blocks_cover_every_parameter_once_and_batches_join_padded() -> Non
     joined = gn_oracle_bert.joined([short, long], 3)
     assert joined["input_ids"].shape == (3, 5) and joined["input_ids"][0].tolist() == [1, 1, 1, 0, 0]
     assert joined["labels"][1].tolist() == [7, 7, 7, -100, -100] and joined["labels"][2].tolist() == [7] * 5
+
+
+def test_forms_and_the_rescaled_step_solve_the_explicit_two_by_two_model(problem) -> None:
+    curvature, explicit, gradient = problem
+    damping = 1e-2
+    generator = torch.Generator().manual_seed(7)
+    update = -gradient + 0.3 * torch.randn(len(gradient), dtype=torch.float64, generator=generator)
+    previous = torch.randn(len(gradient), dtype=torch.float64, generator=generator)
+    vectors = torch.stack([update, previous], 1)
+    assert torch.allclose(curvature.forms([update, previous]), vectors.T @ explicit @ vectors, rtol=1e-10)
+    damped = explicit + damping * torch.eye(len(gradient), dtype=torch.float64)
+    expected = torch.linalg.solve(vectors.T @ damped @ vectors, -(vectors.T @ gradient))
+    alpha, mu = gn_oracle.rescaled(curvature, gradient, damping, update, previous, max_scale=1e6)
+    assert alpha == pytest.approx(float(expected[0]), rel=1e-9) and mu == pytest.approx(float(expected[1]), rel=1e-9)
+    # the model is no lower anywhere along either vector than at the solution
+    model = lambda v: float(gradient @ v + 0.5 * v @ damped @ v)  # noqa: E731
+    best = model(alpha * update + mu * previous)
+    for da, dm in [(1e-3, 0), (-1e-3, 0), (0, 1e-3), (0, -1e-3)]:
+        assert model((alpha + da) * update + (mu + dm) * previous) > best
+    alone, none = gn_oracle.rescaled(curvature, gradient, damping, update, None, max_scale=1e6)
+    assert none == 0.0 and alone == pytest.approx(float(-(update @ gradient) / (update @ damped @ update)), rel=1e-9)
+    assert gn_oracle.rescaled(curvature, gradient, damping, update, None, max_scale=0.5)[0] == 0.5
+    assert gn_oracle.rescaled(curvature, gradient, damping, -update, previous, max_scale=2.0) == (1.0, 0.0)
