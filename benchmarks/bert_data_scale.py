@@ -72,11 +72,12 @@ def launches(out: Path, sizes: list[int], repeats: int) -> dict[str, Any]:
             print(f"launch {name}: {json.dumps(runs[f'{mb}mb'][-1])}", flush=True)
     small, large = f"{min(sizes)}mb", f"{max(sizes)}mb"
 
-    def median(records: list[dict], key: str, pick: Any = max) -> float:
-        return statistics.median(pick(r[key]) for r in records if key in r)
+    def median(records: list[dict], key: str, pick: Any = max, over: Any = statistics.median) -> float:
+        return over(pick(r[key]) for r in records if key in r)
 
-    def ratio(records: dict[str, list[dict]], key: str, pick: Any = max) -> float:
-        return median(records[large], key, pick) / median(records[small], key, pick)
+    def ratio(records: dict[str, list[dict]], key: str, pick: Any = max, over: Any = statistics.median) -> float:
+        """The largest corpus's figure over the smallest's: ``pick`` over the ranks, ``over`` the repeats."""
+        return median(records[large], key, pick, over) / median(records[small], key, pick, over)
 
     def rank_rss(values: list[dict]) -> float:
         return max(v["rank"] for v in values if v)
@@ -90,6 +91,8 @@ def launches(out: Path, sizes: list[int], repeats: int) -> dict[str, Any]:
             "read_bytes_before_step_1_ratio_at_resume": ratio(resumes, "read_bytes_at_first_step"),
             "first_step_seconds_ratio": ratio(runs, "first_step_seconds"),
             "first_step_seconds_ratio_at_resume": ratio(resumes, "first_step_seconds"),
+            "first_step_seconds_ratio_of_fastest": ratio(runs, "first_step_seconds", max, min),
+            "first_step_seconds_ratio_of_fastest_at_resume": ratio(resumes, "first_step_seconds", max, min),
             "rank_resident_after_20_ratio": ratio(runs, "resident_bytes_after_20", rank_rss),
             "read_bytes_before_step_1": {s: median(runs[s], "read_bytes_at_first_step") for s in runs},
         },
