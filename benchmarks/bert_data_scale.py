@@ -181,25 +181,36 @@ def nvidia(out: Path, files: int, rows: int, repeats: int, baseline: Optional[Pa
 def demo(out: Path, seeds: list[int], steps: int, baseline: Optional[Path]) -> dict[str, Any]:
     """The demo's two arms on the embedded corpus, ``steps`` steps a seed, by this tree and by ``baseline``: each
     step's training loss, which is the same in both where the data path gave the same batches (so the demo's
-    ratio is)."""
+    ratio is), and the median step's seconds (the trees alternating)."""
     import csv
 
     trees = {"now": ROOT, **({"baseline": baseline.resolve()} if baseline else {})}
     arms = {"base": "configs/bert_cpu_phase2_base.json", "kfac": CONFIG}
     losses: dict[str, dict[str, list[float]]] = {}
+    steps_seconds: dict[str, dict[str, float]] = {}
     for seed in seeds:
         for arm, config in arms.items():
-            for name, tree in trees.items():
+            for name, tree in list(trees.items())[:: 1 if seed % 2 == 0 else -1]:  # alternating
                 run_name = f"{name}-{arm}-seed{seed}"
                 record = train(tree, ["--seed", str(seed)], out / "demo", run_name, None, 15, steps, config)
                 with (out / "demo" / run_name / "metrics.csv").open() as f:
-                    losses.setdefault(f"{arm}-seed{seed}", {})[name] = [float(r["loss"]) for r in csv.DictReader(f)]
+                    rows = list(csv.DictReader(f))
+                losses.setdefault(f"{arm}-seed{seed}", {})[name] = [float(r["loss"]) for r in rows]
+                ends = [float(r["seconds"]) for r in rows]
+                steps_seconds.setdefault(f"{arm}-seed{seed}", {})[name] = statistics.median(
+                    b - a for a, b in zip(ends[1:], ends[2:])
+                )  # steps 3 on: past the first decompositions
                 print(f"demo {run_name}: exit {record['exit']}", flush=True)
     differences = {
         key: max(abs(a - b) for a, b in zip(runs["now"], runs["baseline"])) if "baseline" in runs else None
         for key, runs in losses.items()
     }
-    return {"steps": steps, "losses": losses, "max_abs_loss_difference": differences}
+    return {
+        "steps": steps,
+        "losses": losses,
+        "max_abs_loss_difference": differences,
+        "median_step_seconds": steps_seconds,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
