@@ -11,6 +11,9 @@ set to ``requires_grad=False`` before ``initialize``), ``zero_init`` (build the 
 ``deepspeed.zero.Init``), ``model`` (a name of ``problem.MODELS``; default ``"mlp"``), ``load_consolidated`` (a checkpoint dir saved with tag ``ckpt`` at any world size: the
 weights through DeepSpeed's ``zero_to_fp32``, K-FAC's state from its file). Parameters are read whole at every
 ZeRO stage (gathered under stage 3).
+Besides each step's bytes by collective kind (``comm``) the result has its calls (``calls``: ``<kind>_calls``), K-FAC's
+memory after each step (``memory_steps``), the process groups ``initialize`` created (``groups``), its seconds
+(``initialize_seconds``) and the wall-clock time the first step began (``first_step_at``): benchmarks/scale.py.
 After the scenarios, ``ds_kfac.shutdown()`` ends the job; ``<out>/exit_rank<r>.json`` records what it left
 (whether this rank's DeepSpeed shared-memory segment existed before and after, and ``dist.is_initialized()``).
 """
@@ -18,11 +21,13 @@ After the scenarios, ``ds_kfac.shutdown()`` ends the job; ``<out>/exit_rank<r>.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import deepspeed
 import torch
@@ -41,6 +46,30 @@ from ds_kfac.optimizers.client import pop_client_optimizer  # noqa: E402
 
 KINDS = ("all_reduce", "reduce", "broadcast", "all_to_all")
 """The collective kinds of :data:`ds_kfac.comm.STATS` a step counts (``"start"``: those ``initialize`` counted)."""
+CALLS = tuple(f"{kind}_calls" for kind in KINDS)
+"""Their call counts in :data:`ds_kfac.comm.STATS`."""
+
+
+@contextlib.contextmanager
+def counted_groups() -> Iterator[dict[str, int]]:
+    """The process groups made meanwhile: ``created``, ``new_group`` calls (every rank makes every group of the job,
+    member or not), of them ``ds_kfac``'s and ``deepspeed``'s (by the module calling ``torch.distributed.new_group``),
+    and ``held``, those this rank is a member of (torch's registry of live groups)."""
+    registry, counts = dist.distributed_c10d._world, {"created": 0, "held": 0, "ds_kfac": 0, "deepspeed": 0}
+    original, before = dist.new_group, (registry.group_count, len(registry.pg_map))
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        package = sys._getframe(1).f_globals.get("__name__", "").split(".")[0]
+        if package in counts:
+            counts[package] += 1
+        return original(*args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield counts
+    finally:
+        dist.new_group = original
+        counts.update(created=registry.group_count - before[0], held=len(registry.pg_map) - before[1])
 
 
 def config(scenario: dict, world: int) -> dict:
@@ -86,13 +115,16 @@ def train(scenario: dict) -> dict:
     consolidated = scenario.get("load_consolidated")
     if consolidated:
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(consolidated, tag="ckpt"))
-    before = dict(STATS)
+    before, started = dict(STATS), time.perf_counter()
     groups = problem.param_groups(model)
     optimizer = pop_client_optimizer(cfg, groups, seed=0)  # built as the examples build it, or None
-    engine, *_ = ds_kfac.initialize(
-        model=model, optimizer=optimizer, model_parameters=None if optimizer else groups, config=cfg
-    )
+    with counted_groups() as created:
+        engine, *_ = ds_kfac.initialize(
+            model=model, optimizer=optimizer, model_parameters=None if optimizer else groups, config=cfg
+        )
+    initialize_seconds = time.perf_counter() - started
     initialize_bytes = {k: STATS[k] - before.get(k, 0) for k in KINDS}
+    initialize_calls = {k: STATS[k] - before.get(k, 0) for k in CALLS}
     if "loss_scale" in scenario:
         engine.optimizer.loss_scaler.cur_scale = float(scenario["loss_scale"])
     dtype = next(engine.module.parameters()).dtype
@@ -105,11 +137,12 @@ def train(scenario: dict) -> dict:
     if consolidated:
         kfac.load_state_dict(torch.load(Path(consolidated) / "ckpt" / STATE_FILE, weights_only=True))
         start = kfac.steps
-    comm = []
+    comm, calls, memory_steps, first_step_at = [], [], [], None
     for step in range(start, scenario["steps"]):
         if step in scenario.get("skip_steps", []):
             continue
         x, y = problem.global_batch(step, micro * ga * world, model)
+        first_step_at = first_step_at or time.time()
         before = dict(STATS)
         for m in range(ga):
             rows = slice((m * world + rank) * micro, (m * world + rank + 1) * micro)
@@ -122,6 +155,8 @@ def train(scenario: dict) -> dict:
             engine.backward(loss)
             engine.step()
         comm.append({k: STATS[k] - before.get(k, 0) for k in KINDS})
+        calls.append({k: STATS[k] - before.get(k, 0) for k in CALLS})
+        memory_steps.append(kfac.memory_usage() if kfac else None)
         if scenario.get("save") and step + 1 == scenario["save"]["at"]:
             engine.save_checkpoint(scenario["save"]["dir"], tag="ckpt")
     layout = kfac.layout if kfac else None
@@ -141,6 +176,12 @@ def train(scenario: dict) -> dict:
         "metrics": kfac.metrics() if kfac else None,
         "comm": comm,
         "start": initialize_bytes,
+        "calls": calls,
+        "start_calls": initialize_calls,
+        "memory_steps": memory_steps,
+        "groups": created,
+        "initialize_seconds": initialize_seconds,
+        "first_step_at": first_step_at,
         "memory": kfac.memory_usage() if kfac else None,
         "factor_buckets": bucket_bytes(kfac),
         "overlapped": kfac.distributor.factor_buckets.overlapped if kfac and kfac.distributor.factor_buckets else 0,

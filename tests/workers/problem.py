@@ -29,6 +29,19 @@ def make_uniform_model() -> nn.Module:
 WIDE = 10
 
 
+def make_bert_tiny_shapes_model() -> nn.Module:
+    """The BERT demo's 13 K-FAC layers by shape (2 encoder layers of hidden 128: query, key, value, output, the
+    128 -> 512 -> 128 feed-forward; the 1,024-token decoder), chained: what a placement moves and holds depends on
+    the layers' shapes alone (issue 68's scale runs)."""
+    torch.manual_seed(0)
+    hidden, inner, vocab = 128, 512, 1024
+    shapes = [(hidden, hidden)] * 4 + [(hidden, inner), (inner, hidden)]
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in shapes * 2 + [(hidden, vocab)]:
+        layers += [nn.Linear(fan_in, fan_out), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
 class SharedLayer(nn.Module):
     """The middle Linear runs twice per forward (weight sharing): its hooks fire twice per micro-batch."""
 
@@ -117,6 +130,7 @@ MODELS = {
     "narrow_layernorm": make_narrow_layernorm_model,
     "tied": TiedModel,
     "conv": make_conv_model,
+    "bert_tiny_shapes": make_bert_tiny_shapes_model,
 }
 
 
