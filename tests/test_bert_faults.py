@@ -292,7 +292,10 @@ def test_resume_and_phase_2_refuse_other_data_naming_what_changed(
     first, second = two_preparations
     config = str(small_config(tmp_path))
     out = str(tmp_path / "out")
-    base = ["--deepspeed_config", config, "--output-dir", out, "--eval-batches", "1", "--max-steps", "4"]
+    # no loader workers: the runs are in this long-lived process, and what is pinned does not depend on them (a worker
+    # forked from it once died of a segmentation fault under load, reading NVIDIA's files)
+    config = [config, "--loader-workers", "0"]
+    base = ["--deepspeed_config", *config, "--output-dir", out, "--eval-batches", "1", "--max-steps", "4"]
     assert _pretrain(monkeypatch, capsys, *base, "--shards", str(first), "--stop-after", "2") == (0, [])
     code, errors = _pretrain(monkeypatch, capsys, *base, "--shards", str(second), "--resume")
     assert code == 2 and len(errors) == 1, errors
@@ -305,11 +308,12 @@ def test_resume_and_phase_2_refuse_other_data_naming_what_changed(
     run = tmp_path / "out" / "bert_cpu_phase2_base"
     assert [int(row["step"]) for row in _metrics(run)] == [1, 2, 3, 4]
 
-    phase2 = ["--deepspeed_config", config, "--eval-batches", "1", "--max-steps", "1", "--init-checkpoint", str(run)]
+    phase2 = ["--deepspeed_config", *config, "--eval-batches", "1", "--max-steps", "1", "--init-checkpoint", str(run)]
     code, errors = _pretrain(monkeypatch, capsys, *phase2, "--output-dir", str(tmp_path / "p2"), "--nvidia-hdf5",
                              str(hdf5_dir))  # fmt: skip
     assert code == 2 and re.search(r"--init-checkpoint: .*\(vocabulary tokenizer \w+\.\.\. -> NVIDIA's ids", errors[0])
-    nv = ["--deepspeed_config", config, "--eval-batches", "1", "--max-steps", "1", "--output-dir", str(tmp_path / "nv")]
+    nv = ["--deepspeed_config", *config, "--eval-batches", "1", "--max-steps", "1"]
+    nv += ["--output-dir", str(tmp_path / "nv")]
     assert _pretrain(monkeypatch, capsys, *nv, "--nvidia-hdf5", str(hdf5_dir)) == (0, [])
     from_nvidia = [*phase2[:-1], str(tmp_path / "nv" / "bert_cpu_phase2_base"), "--output-dir", str(tmp_path / "p3")]
     code, errors = _pretrain(monkeypatch, capsys, *from_nvidia, "--shards", str(first))
