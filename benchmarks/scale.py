@@ -114,13 +114,7 @@ def one_process(world: int, steps: int, name: str = MODEL) -> list[torch.Tensor]
     model = problem.MODELS[name]()
     optimizer = torch.optim.SGD(problem.param_groups(model), lr=0.1)
     kfac = KFACPreconditioner(model, optimizer=optimizer, **KFAC)
-    for step in range(steps):
-        x, y = problem.global_batch(step, world * GA * MICRO, model)
-        optimizer.zero_grad()
-        problem.loss_fn(model(x), y).backward()
-        kfac.step()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return problem.one_process_steps(model, optimizer, kfac, steps, world * GA * MICRO)
 
 
 def relative(predicted: int, counted: int) -> float:

@@ -188,13 +188,7 @@ def default_refresh_reference() -> list[torch.Tensor]:
     model = problem.MODELS["conv"]()
     opt = torch.optim.SGD(problem.param_groups(model), lr=0.1, momentum=0.9)
     kfac = KFACPreconditioner(model, optimizer=opt, **DEFAULT_REFRESH)
-    for step in range(4):
-        x, y = problem.global_batch(step, 8, model)
-        opt.zero_grad()
-        problem.loss_fn(model(x), y).backward()
-        kfac.step()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return problem.one_process_steps(model, opt, kfac, 4, 8)
 
 
 def assert_default_refresh_matches_one_process(runs: dict, world: int) -> None:

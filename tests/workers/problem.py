@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import ds_kfac
+from ds_kfac import KFACPreconditioner
 from ds_kfac.optimizers import Adam, split_groups
 
 IN, OUT = 6, 3
@@ -175,3 +176,16 @@ def sampling_generator(step: int, micro_batch: int, rank: int) -> torch.Generato
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out.float() - target) ** 2).mean()
+
+
+def one_process_steps(model: nn.Module, optimizer: torch.optim.Optimizer, kfac: KFACPreconditioner, steps: int, batch: int
+                      ) -> list[torch.Tensor]:  # fmt: skip
+    """The distributed runs' single-process reference: ``steps`` steps, each on the whole global batch of ``batch``
+    examples at once (``kfac``: a standalone preconditioner of ``model``); the parameters after."""
+    for step in range(steps):
+        x, y = global_batch(step, batch, model)
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        kfac.step()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
