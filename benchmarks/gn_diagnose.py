@@ -133,9 +133,18 @@ def diagnose(args: argparse.Namespace) -> dict[str, Any]:
             start, sub_gradient = sub_batch_gradient(reference, sub_batch, model_at)
             update = model_at.flat({n: p.detach() - before[n] for n, p in engine.module.named_parameters()})
             slope_gradient = sub_gradient if args.independent else model_at.flat(trained)
-            alpha, mu = gn_oracle.rescaled(model_at, slope_gradient, damping, update,
-                                           previous if args.rescale == "momentum" else None, args.max_scale)  # fmt: skip
-            previous = alpha * update + (mu * previous if mu else 0.0)
+            if args.rescale == "cg":  # a truncated Gauss-Newton step from the update: CG on the sub-batch's model
+                iterations = args.refine_iterations if step >= args.refine_from else 0
+                solved = gn_oracle.conjugate_gradient(model_at.product, -slope_gradient, damping, iterations, 0.0,
+                                                      x0=update)  # fmt: skip
+                alpha = float(solved.x.dot(update) / update.dot(update))  # the refined step's length along u
+                mu = float(solved.x.norm() / update.norm())  # its whole length over u's
+                previous = solved.x
+            else:
+                alpha, mu = gn_oracle.rescaled(model_at, slope_gradient, damping, update,
+                                               previous if args.rescale == "momentum" else None,
+                                               args.max_scale)  # fmt: skip
+                previous = alpha * update + (mu * previous if mu else 0.0)
             with torch.no_grad():
                 for name, delta in model_at.split(previous).items():
                     engine.module.get_parameter(name).copy_(before[name] + delta)
@@ -182,10 +191,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     go.add_argument("--every", type=int, default=10, help="score every this many steps (0: never)")
     go.add_argument(
         "--rescale",
-        choices=["off", "scale", "momentum"],
+        choices=["off", "scale", "momentum", "cg"],
         default="off",
-        help="each update rescaled by the quadratic model (momentum: with the previous step, 2 x 2)",
+        help="each update rescaled by the quadratic model (momentum: with the previous step, 2 x 2; cg: refined by "
+        "--refine-iterations conjugate-gradient iterations on the sub-batch's damped Gauss-Newton system, from the "
+        "update; alpha is then the refined step's projection on the update, mu its length over the update's)",
     )
+    go.add_argument("--refine-iterations", type=int, default=2, help="--rescale cg's iterations")
+    go.add_argument("--refine-from", type=int, default=0, help="--rescale cg from this step (0-based) on")
     go.add_argument("--rescale-batch", type=int, default=32, help="sequences the rescaling's products use")
     go.add_argument("--max-scale", type=float, default=4.0, help="the rescaling's cap")
     go.add_argument(

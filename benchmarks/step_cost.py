@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -151,10 +152,14 @@ from time_to_target import apply_overrides, free_port, portable, versions  # noq
 
 import ds_kfac  # noqa: E402
 from ds_kfac import KFACConfig, KFACPreconditioner, Lamb, build_optimizer  # noqa: E402
+from ds_kfac.comm import network  # noqa: E402
 from ds_kfac.config.schema import DTYPES  # noqa: E402
 from ds_kfac.curvature import REFRESH_KINDS  # noqa: E402
 from ds_kfac.optimizers import resolve_lamb, split_groups  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
+from ds_kfac.planning import plan_job, read_job  # noqa: E402
+from ds_kfac.planning.calibrate import Timed, calibrate  # noqa: E402
+from ds_kfac.planning.predict import Calibration, predict_plan  # noqa: E402
 from ds_kfac.preconditioning.build import preconditioned_parameters  # noqa: E402
 from ds_kfac.timing import PHASES as KFAC_PHASES  # noqa: E402
 
@@ -353,7 +358,7 @@ WORKLOADS = {
         resnet_outputs,
     ),
 }
-PLACEMENTS = ("comm-opt", "mem-opt")
+PLACEMENTS = ("comm-opt", "hybrid-opt", "mem-opt")
 GPU_WORKLOADS = ("bert-base",)
 """Too large for the CPU machine: left out of the default ``--workloads`` (benchmarks/gpu/ runs them)."""
 SHAPE_WORKLOADS = ("bert-base-l2", "bert-large-l2")
@@ -670,7 +675,9 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     registered = kfac.layer_names
     layers = count_layers(model, pool[0], workload.forward, kfac.config.conv_factors)
     metrics = kfac.metrics()
+    prediction = predicted(spec, rank, workload, pool, device, dtype) if spec.get("predict") else None
     return {
+        "predicted": prediction,
         "records": records,
         "refreshes": {
             **refresh_counts(metrics),
@@ -697,9 +704,33 @@ def measure(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     }
 
 
+def predicted(
+    spec: dict[str, Any], rank: int, workload: Workload, pool: Sequence[Batch], device: torch.device, dtype: torch.dtype
+) -> Optional[dict[str, Any]]:
+    """``python -m ds_kfac.plan --calibrate``'s prediction for this configuration, from a calibration made in the
+    same processes after the measurement (a fresh model with the same weights' shapes): on rank 0, the placement's
+    predicted seconds per step by phase for every rank, and the calibration."""
+    torch.manual_seed(spec["seed"])
+    model = workload.build(spec["smoke"]).to(device, dtype).train()
+    timed = Timed(model, spec["kfac_config"], pool, lambda m, b: workload.forward(m, b).loss, spec["ga"])
+    calibration = calibrate(timed)
+    if rank:
+        return None
+    micro = len(next(iter(pool[0].values())))
+    job = read_job({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": spec["ga"],
+                    "kfac": spec["kfac_config"]}, spec["world"])  # fmt: skip
+    config = job.kfac
+    plan = plan_job(model, job, [config.grad_worker_fraction], [config.factor_reduction])
+    (time,) = predict_plan(plan, calibration)
+    return {"ranks_ms": [{k: 1e3 * v for k, v in r.items()} for r in time.ranks], "overhead_ms": 1e3 * time.overhead,
+            "calibration": dataclasses.asdict(calibration)}  # fmt: skip
+
+
 def worker(spec_path: Path, rank: int) -> None:
     """A rank of one configuration: join the group, measure, write ``rank<r>.json`` beside the spec."""
     spec = json.loads(spec_path.read_text())
+    os.environ[network.ENV] = spec.get("network") or ""
+    network.simulated()  # a malformed value fails here, before the group forms
     torch.set_num_threads(1)
     torch.set_float32_matmul_precision(spec["matmul_precision"])
     backend = "nccl" if spec["device"] == "cuda" else "gloo"
@@ -798,6 +829,7 @@ def summarize(spec: dict[str, Any], ranks: Sequence[dict[str, Any]]) -> dict[str
         **{key: spec[key] for key in ("workload", "world", "placement", "ga", "load_before")},
         "kfac_config": spec["kfac_config"],
         "layers": ranks[0]["layers"],
+        **({"predicted": ranks[0]["predicted"]} if ranks[0].get("predicted") else {}),
         "arms": arms,
         "ratio": {
             "mean": ratio,
@@ -895,6 +927,80 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(floors)
 
 
+PREDICTED_PHASES = ("hooks", "factor_comm", "factors", "decompose", "precondition")
+
+
+def prediction_table(results: Sequence[dict[str, Any]]) -> str:
+    """Measured against predicted (``--predict``): K-FAC's ms per step, rank 0's measured phases (its untimed rest
+    with ``precondition``, ``stack`` with ``decompose``, ``sampled_backward`` with ``hooks``) and the slowest rank's
+    predicted ones."""
+    head = " | ".join(f"{p} measured / predicted" for p in PREDICTED_PHASES)
+    rows = [
+        "| configuration | network | K-FAC ms measured | K-FAC - base ms | predicted | predicted / measured "
+        f"| {head} |",
+        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in PREDICTED_PHASES) + " |",
+    ]
+    for result in results:
+        for c in result["configurations"]:
+            if "predicted" not in c:
+                continue
+            k, pred = c["arms"]["kfac"], c["predicted"]
+            measured = {p: k["phases_ms"].get(p, 0.0) for p in (*PREDICTED_PHASES, "stack", "sampled_backward")}
+            measured["precondition"] += k.get("untimed_ms", 0.0)
+            measured["decompose"] += measured.pop("stack")
+            measured["hooks"] += measured.pop("sampled_backward")
+            slowest = max(pred["ranks_ms"], key=lambda r: sum(r.values()))
+            slowest = {**slowest, "decompose": slowest["decompose"] + slowest.get("stack", 0.0),
+                       "hooks": slowest["hooks"] + slowest.get("sampled_backward", 0.0)}  # fmt: skip
+            total = sum(measured.values())
+            cells = " | ".join(f"{measured[p]:.1f} / {slowest.get(p, 0.0):.1f}" for p in PREDICTED_PHASES)
+            rows.append(
+                f"| {label(c)} | {result['settings'].get('network') or 'this machine'} | {total:.1f} "
+                f"| {k['mean_ms'] - c['arms']['base']['mean_ms']:.1f} | {pred['overhead_ms']:.1f} "
+                f"| {pred['overhead_ms'] / total:.2f} | {cells} |"
+            )
+    return "\n".join(rows)
+
+
+def ranking_table(results: Sequence[dict[str, Any]]) -> str:
+    """The placements' order, measured against predicted from each one calibration: the configurations of one
+    workload, world, accumulation and network, each run's calibration predicting every placement of the group
+    (as ``python -m ds_kfac.plan --calibration`` would from that one file)."""
+    groups: dict[tuple, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for result in results:
+        for c in result["configurations"]:
+            if "predicted" in c:
+                key = (c["workload"], c["world"], c["ga"], result["settings"].get("network") or "this machine")
+                groups[key].append((result, c))
+    rows = [
+        "| workload, world, GA | network | measured order (K-FAC ms) | predicted order, from each run's calibration |",
+        "| --- | --- | --- | --- |",
+    ]
+    for (workload, world, ga, net), members in groups.items():
+        measured = sorted(((kfac_ms(c), c["placement"]) for _, c in members))
+        model = WORKLOADS[workload].build(members[0][0]["settings"]["smoke"])
+        orders = []
+        for _, c in members:
+            calibration = Calibration.load_dict(c["predicted"]["calibration"])
+            section = {**c["kfac_config"], "grad_worker_fraction": "comm-opt"}
+            job = read_job({"train_micro_batch_size_per_gpu": calibration.micro_batch,
+                            "gradient_accumulation_steps": ga, "kfac": section}, world)  # fmt: skip
+            placements = list(dict.fromkeys(m["placement"] for _, m in members))
+            plan = plan_job(model, job, placements, [job.kfac.factor_reduction])
+            times = sorted((1e3 * t.overhead, t.fraction) for t in predict_plan(plan, calibration))
+            orders.append(" < ".join(f"{f} {ms:.1f}" for ms, f in times))
+        rows.append(f"| {workload}, {world}, {ga} | {net} | {' < '.join(f'{p} {ms:.1f}' for ms, p in measured)} "
+                    f"| {'; '.join(orders)} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def kfac_ms(c: dict[str, Any]) -> float:
+    """K-FAC's own ms per step in a configuration: its phases and its untimed rest."""
+    k = c["arms"]["kfac"]
+    inner = sum(v for p, v in k["phases_ms"].items() if p in KFAC_PHASES)
+    return inner + k.get("untimed_ms", 0.0)
+
+
 def plot(path: Path, configurations: Sequence[dict[str, Any]]) -> Path:
     """A stacked bar per configuration and arm: the amortized ms of each phase (and K-FAC's untimed rest)."""
     import matplotlib
@@ -959,6 +1065,8 @@ def launch_configuration(config: dict[str, Any], args: argparse.Namespace) -> di
         "matmul_precision": args.matmul_precision,
         "seed": args.seed,
         "timeout": args.timeout,
+        "predict": args.predict,
+        "network": args.network,
         "port": free_port(),
         "load_before": os.getloadavg()[0],
     }
@@ -1009,6 +1117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "matmul_precision",
                 "seed",
                 "timeout",
+                "predict",
+                "network",
             )
         },
         "versions": {**versions(), "ds_kfac": ds_kfac.__version__},
@@ -1040,8 +1150,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(WORKLOADS),
         default=sorted(set(WORKLOADS) - set(GPU_WORKLOADS) - set(SHAPE_WORKLOADS)),
     )
-    r.add_argument("--worlds", nargs="+", type=int, choices=(1, 2), default=[1, 2])
-    r.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
+    r.add_argument("--worlds", nargs="+", type=int, choices=(1, 2, 4, 8), default=[1, 2])
+    r.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=["comm-opt", "mem-opt"])
     r.add_argument("--ga", nargs="+", type=int, default=[1, 4, 8], help="micro-batches per optimizer step")
     r.add_argument("--cycles", type=int, default=3, help="measured decomposition cycles per arm (after the warm-up)")
     r.add_argument(
@@ -1076,12 +1186,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.set_float32_matmul_precision in every rank (the user's switch: TF32 on CUDA, bf16 on CPUs "
         "with AVX512-BF16; both arms, and K-FAC's float32 matmuls)",
     )
+    r.add_argument(
+        "--predict",
+        action="store_true",
+        help="also calibrate in the same processes and record python -m ds_kfac.plan's prediction of K-FAC's phases",
+    )
+    r.add_argument(
+        "--network",
+        metavar="latency=S,bandwidth=B",
+        help="a simulated interconnect for K-FAC's collectives (ds_kfac.comm.network; seconds, bytes per second)",
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "step_cost" / "step_cost.json")
     t = sub.add_parser("table", help="the Markdown tables of saved results (several files: one table)")
     t.add_argument("results", type=Path, nargs="+")
     t.add_argument("--phases", action="store_true", help="the per-phase breakdown and floors instead")
+    t.add_argument("--predicted", action="store_true", help="measured against predicted (runs with --predict)")
+    t.add_argument("--ranking", action="store_true", help="the placements' order, measured and predicted")
     w = sub.add_parser("worker", help=argparse.SUPPRESS)
     w.add_argument("--spec", type=Path, required=True)
     w.add_argument("--rank", type=int, required=True)
@@ -1094,7 +1216,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run(args)
     elif args.command == "table":
         results = [json.loads(path.read_text()) for path in args.results]
-        print(phase_table(results) if args.phases else table(results))
+        if args.ranking:
+            print(ranking_table(results))
+        else:
+            tabulate = prediction_table if args.predicted else phase_table if args.phases else table
+            print(tabulate(results))
     else:
         worker(args.spec, args.rank)
 

@@ -247,3 +247,28 @@ def test_smoke_times_the_sampled_fisher_backward(tmp_path: Path) -> None:
     sampled = {name: block["phases_ms"]["sampled_backward"] for name, block in kfac["classes"].items()}
     assert sampled["plain"] == 0.0 and sampled["factor"] > 0 and sampled["decomposition"] > 0
     assert all(0.9 <= block["coverage"] <= 1.1 for block in [kfac, *kfac["classes"].values()])
+
+
+def test_smoke_predicts_under_a_simulated_network(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--predict --network``: both ranks hold K-FAC's collectives back by the stated network, the calibration made
+    in the same processes fits links that carry it (a ring all-reduce at 2 ranks: ``2 alpha + n / B``), and the
+    tables put the prediction beside the measurement."""
+    out = tmp_path / "predicted.json"
+    args = ["run", "--smoke", "--workloads", "bert-demo", "--worlds", "2", "--placements", "mem-opt", "--ga", "2"]
+    network = "latency=1e-3,bandwidth=1e8"
+    sc.main([*args, "--cycles", "1", "--predict", "--network", network, "--timeout", str(LAUNCH_TIMEOUT),
+             "--out", str(out)])  # fmt: skip
+    assert not launch.leftovers()
+    (c,) = json.loads(out.read_text())["configurations"]
+    links = c["predicted"]["calibration"]["links"]
+    # The simulated 2 alpha and 1 / B, plus this machine's own (far faster) transfer and the noise of a shared
+    # machine; without the network the fit is about 0.1 ms and 1e-9 s a byte.
+    assert 1e-3 <= links["all_reduce"]["latency"] < 7e-3 and 0.9e-8 <= links["all_reduce"]["per_byte"] < 1.5e-8
+    assert len(c["predicted"]["ranks_ms"]) == 2 and c["predicted"]["overhead_ms"] > 0
+    capsys.readouterr()
+    sc.main(["table", "--predicted", str(out)])
+    (row,) = capsys.readouterr().out.strip().splitlines()[2:]
+    assert row.startswith(f"| bert-demo w2 mem-opt GA2 | {network} |")
+    sc.main(["table", "--ranking", str(out)])
+    (row,) = capsys.readouterr().out.strip().splitlines()[2:]
+    assert row.startswith(f"| bert-demo, 2, 2 | {network} | mem-opt ")

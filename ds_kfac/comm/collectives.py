@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .network import hold
+
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 STATS: Counter[str] = Counter()
@@ -74,8 +76,10 @@ def all_reduce_sum_(
         STATS["all_reduce"] += flat.numel() * flat.element_size()
         STATS["all_reduce_calls"] += 1
         pending.append((idx, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    world = data_parallel_world(group)
     for idx, flat, work in pending:
         work.wait()
+        hold("all_reduce", flat.numel() * flat.element_size(), world)
         _unpack(flat, tensors, idx)
 
 
@@ -130,6 +134,7 @@ def broadcast_(
         pending.append((idx, flat, src, dist.broadcast(flat, src=src, group=group, async_op=True)))
     for idx, flat, src, work in pending:
         work.wait()
+        hold("broadcast", flat.numel() * flat.element_size(), data_parallel_world(groups[idx[0]]))
         if src != me:
             _unpack(flat, tensors, idx)
 
@@ -155,6 +160,8 @@ def all_to_all_(
         STATS["all_to_all"] += sum(t.numel() * t.element_size() for r, t in enumerate(flat) if r != me)
         STATS["all_to_all_calls"] += 1
         dist.all_to_all_single(out, torch.cat(flat), sizes, [t.numel() for t in flat], group=group)
+        hold("all_to_all", sum(t.numel() * t.element_size() for r, t in enumerate(flat) if r != me),
+             data_parallel_world(group))  # fmt: skip
     received = [t for pieces in recv for t in pieces]
     _unpack(out, received, range(len(received)))
 

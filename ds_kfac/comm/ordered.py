@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import STATS, data_parallel_world
+from .network import hold
 
 
 @dataclass
@@ -119,8 +120,10 @@ class OrderedBuckets:
         for u, sizes in enumerate(self._sizes):
             bucket = self.buckets[self._bucket_of[u]]
             if bucket.works is not None:
-                for work in bucket.works:
+                for work, (dst, start, end) in zip(bucket.works, bucket.segments):
                     work.wait()
+                    hold("all_reduce" if dst is None else "reduce", (end - start) * bucket.flat.element_size(),
+                         self.world)  # fmt: skip
                 bucket.flat.div_(self.world)
                 bucket.works = None
             out.append([bucket.flat[o : o + n] for o, n in zip(self._offsets[u], sizes)])

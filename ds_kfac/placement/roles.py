@@ -30,7 +30,9 @@ class RankRoles:
         world: int,
         rank: int,
         holders: Optional[dict[str, tuple[int, ...]]] = None,
+        plan: Optional[PlacementPlan] = None,
     ) -> None:
+        """``plan``: the same job's plan, built for another rank (it is every rank's: the planner builds it once)."""
         self.config = config
         self.holders = holders
         """The ranks whose ZeRO partitions hold each layer's gradient (``None``: every rank holds every gradient)."""
@@ -38,7 +40,9 @@ class RankRoles:
         self.rank = rank
         # Blocks are their own placement shapes (a name and each side's cost); blocks with one side are colocated.
         colocate = config.factor_reduction == "local" or any(b.colocated for b in blocks if len(b.sides) > 1)
-        self.plan = PlacementPlan(blocks, self.world, config.grad_worker_fraction, config.assignment, colocate, holders)
+        self.plan = plan or PlacementPlan(
+            blocks, self.world, config.grad_worker_fraction, config.assignment, colocate, holders
+        )
         self.reduces = self.world > 1 and config.factor_reduction != "local"
         """Whether factors are reduced over ranks (not ``local``, more than one rank)."""
         self.overlap = self.reduces and config.overlap_factor_comm

@@ -71,3 +71,32 @@ def bert_on_meta(keys: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]]]
     no_decay = [p for n, p in named if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in named if not (n.endswith("bias") or "LayerNorm" in n)]
     return model, [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def bert_on(keys: dict[str, Any], device: torch.device) -> nn.Module:
+    """``BertForPreTraining(BertConfig(**keys))`` on ``device``, initialised, in training mode (``--calibrate``)."""
+    from transformers import BertConfig, BertForPreTraining
+
+    return BertForPreTraining(BertConfig(**keys)).to(device).train()
+
+
+def bert_batches(
+    keys: dict[str, Any], micro_batch: int, seq: int, device: torch.device, count: int = 4, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` random pre-training micro-batches of ``micro_batch`` sequences of ``seq`` tokens, 15% of them
+    masked-LM targets (``examples/bert/pretrain.py``'s shapes, not its data: the timing does not depend on it)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(keys["vocab_size"], (micro_batch, seq), generator=generator)
+        masked = torch.rand(micro_batch, seq, generator=generator) < 0.15
+        out.append(
+            {
+                "input_ids": ids.to(device),
+                "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(micro_batch, seq).to(device),
+                "attention_mask": torch.ones(micro_batch, seq, dtype=torch.long, device=device),
+                "labels": torch.where(masked, ids, torch.full_like(ids, -100)).to(device),
+                "next_sentence_label": torch.randint(2, (micro_batch,), generator=generator).to(device),
+            }
+        )
+    return out

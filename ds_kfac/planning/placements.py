@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from torch import nn
@@ -31,6 +31,8 @@ class PlacementCost:
     """Gradient workers per layer (``n``); 0 where refused."""
     ranks: list[RankCost]
     refused: Optional[str] = None
+    roles: list[RankRoles] = field(default_factory=list)
+    """Each rank's roles (one plan shared by all)."""
 
 
 @dataclass
@@ -69,12 +71,15 @@ def plan_job(
         for reduction in reductions:
             try:
                 config = job.config_for(fraction, reduction)
-                roles = [RankRoles(blocks, config, job.world, r, gradients.holders) for r in range(job.world)]
+                first = RankRoles(blocks, config, job.world, 0, gradients.holders)
+                roles = [first] + [
+                    RankRoles(blocks, config, job.world, r, gradients.holders, first.plan) for r in range(1, job.world)
+                ]
             except KFACConfigError as err:
                 placements.append(PlacementCost(fraction, reduction, 0, [], str(err)))
                 continue
             ranks = [rank_cost(blocks, sizes, rank, gradients) for rank in roles]
-            placements.append(PlacementCost(fraction, reduction, roles[0].plan.n, ranks))
+            placements.append(PlacementCost(fraction, reduction, roles[0].plan.n, ranks, roles=roles))
     return Plan(job, blocks, skipped, gradients, split, placements)
 
 

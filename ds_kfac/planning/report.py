@@ -8,6 +8,7 @@ import torch
 
 from .costs import RankCost
 from .placements import PlacementCost, Plan
+from .predict import Calibration, PlacementTime
 
 HELD = ("factors", "decompositions", "eigenbasis_moments")
 """The memory categories with a column of their own; the others (``S``, ``eigen-outer``'s cache, adaptive refresh's
@@ -134,3 +135,44 @@ def _traffic(plan: Plan, placed: Sequence[PlacementCost], per_rank: bool, fus: i
         + ("" if ius else " (adaptive refresh: at most, as if every factor were due at every step)"),
         *_table(["every step", "+ factor step", "+ refresh", "mean per step"], rows, unit),
     ]
+
+
+def render_times(plan: Plan, times: Sequence[PlacementTime], calibration: Calibration, refresh_budget: float) -> str:
+    """The predicted seconds per step of each placement (its slowest rank's phases), the recommended placement
+    and refresh interval: the placement with the least overhead, and the shortest interval on a ladder around the
+    configured one at which the decompositions cost at most ``refresh_budget`` of the step's forward and backward."""
+    job = plan.job
+    examples = job.accumulation * job.micro_batch
+    base = calibration.forward_backward * examples / (calibration.accumulation * calibration.micro_batch)
+    placed = [(p, t) for p, t in zip(plan.placements, times) if not t.refused]
+    phases = ("hooks", "factor_comm", "factors", "decompose", "precondition")
+    rows = []
+    for p, t in placed:
+        slowest = max(t.ranks, key=lambda r: sum(r.values()))
+        merged = {**slowest, "decompose": slowest["decompose"] + slowest.get("stack", 0.0),
+                  "hooks": slowest["hooks"] + slowest.get("sampled_backward", 0.0)}  # fmt: skip
+        rows.append((label(p, plan), [1e3 * merged[k] for k in phases] + [1e3 * t.overhead, 100 * t.overhead / base]))
+    width = max(len(name) for name, _ in rows)
+    header = [*phases, "K-FAC ms", "% of fwd+bwd"]
+    lines = [
+        f"Predicted K-FAC time per step on {job.world} ranks, ms (the slowest rank; calibrated on "
+        f"{calibration.world} x {calibration.device}: forward and backward {1e3 * base:,.1f} ms a step at "
+        f"accumulation {job.accumulation})",
+        f"{'':{width}}  " + "  ".join(f"{h:>12}" for h in header),
+        *(f"{name:{width}}  " + "  ".join(f"{v:12,.2f}" for v in values) for name, values in rows),
+    ]
+    same = [(p, t) for p, t in placed if p.reduction == job.kfac.factor_reduction]  # a reduction changes the math
+    best_p, best_t = min(same or placed, key=lambda pt: pt[1].overhead)
+    slowest = max(best_t.ranks, key=lambda r: sum(r.values()))
+    refresh = job.kfac.inv_update_steps if isinstance(job.kfac.inv_update_steps, int) else None
+    advice = f"Recommended: grad_worker_fraction {best_p.fraction!r}, factor_reduction {best_p.reduction!r}"
+    if refresh:
+        per_refresh = (slowest["decompose"] + slowest.get("stack", 0.0)) * refresh  # seconds per decomposition step
+        ladder = sorted({max(1, refresh // 4), max(1, refresh // 2), refresh, 2 * refresh, 4 * refresh})
+        fits = [k for k in ladder if per_refresh / k <= refresh_budget * base]
+        chosen = fits[0] if fits else ladder[-1]
+        advice += (
+            f"; inv_update_steps {chosen} (decompositions {1e3 * per_refresh / chosen:,.2f} ms a step, at most "
+            f"{100 * refresh_budget:g}% of the forward and backward; configured: {refresh})"
+        )
+    return "\n".join([*lines, advice + "."])
