@@ -22,6 +22,7 @@ what was measured and what is stated, each named in the result:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -74,8 +75,8 @@ def measured_phases(path: Path, run: str, ga: int) -> tuple[dict[str, float], fl
     return phases, kfac["phases_ms"]["forward_backward"] / 1e3, cadence, data["environment"]["gpu"]
 
 
-def scaled_calibration(args: argparse.Namespace, job_path: str, network: str) -> tuple[Calibration, dict[str, Any]]:
-    """The calibration of ``job_path``'s model on the measured GPU and a stated ``network`` (module docstring)."""
+def scaled_calibration(args: argparse.Namespace, job_path: str) -> tuple[Calibration, dict[str, Any]]:
+    """The calibration of ``job_path``'s model on the measured GPU (module docstring); no network yet."""
     phases, forward_backward, cadence, gpu = measured_phases(ROOT / args.gpu_run, args.run, args.ga)
     base_section = json.loads((ROOT / CALIBRATED_ON["config"]).read_text())["kfac"]
     base_model, _ = bert_on_meta(bert_config(CALIBRATED_ON["model"], {"vocab_size": 30522, "max_seq_length": 128}))
@@ -93,7 +94,6 @@ def scaled_calibration(args: argparse.Namespace, job_path: str, network: str) ->
         micro_batch=job.micro_batch,  # the tokens' ratio is in the hooks' scaling above
         collected=1,  # the GPU run collected one micro-batch a factor step: phases["hooks"] is one micro-batch's
         cadence=cadence,
-        network=network,
     )
     return calibration, {"gpu": gpu, "arithmetic_ratios": ratios}
 
@@ -101,18 +101,17 @@ def scaled_calibration(args: argparse.Namespace, job_path: str, network: str) ->
 def predict(args: argparse.Namespace) -> dict[str, Any]:
     rows, assumptions = [], {}
     for job_path in args.configs:
+        measured, assumptions[job_path] = scaled_calibration(args, job_path)
         for world in args.worlds:
             job = read_job(ROOT / job_path, world)
             model, groups = bert_on_meta(bert_config(job.bert["model"], job.bert))
             plan = plan_job(model, job, args.fractions, [job.kfac.factor_reduction], groups)
+            base = measured.forward_backward_for(job.micro_batch, job.accumulation)
             for name, network in args.network:
-                calibration, assumed = scaled_calibration(args, job_path, network)
-                assumptions[job_path] = assumed
-                base = calibration.forward_backward * job.accumulation
+                calibration = dataclasses.replace(measured, network=network)
                 for placement, time in zip(plan.placements, predict_plan(plan, calibration)):
                     if time.refused:
                         continue
-                    slowest = max(time.ranks, key=lambda r: sum(r.values()))
                     rows.append(
                         {
                             "config": job_path,
@@ -124,7 +123,7 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
                             "overhead_ms": 1e3 * time.overhead,
                             "forward_backward_ms": 1e3 * base,
                             "overhead_share": time.overhead / base,
-                            "phases_ms": {p: 1e3 * s for p, s in slowest.items()},
+                            "phases_ms": {p: 1e3 * s for p, s in time.slowest.items()},
                             "kfac_memory_mib": max(held(c) for c in placement.ranks) / 2**20,
                         }
                     )

@@ -159,7 +159,7 @@ from ds_kfac.optimizers import resolve_lamb, split_groups  # noqa: E402
 from ds_kfac.placement.plan import workers_per_layer  # noqa: E402
 from ds_kfac.planning import plan_job, read_job  # noqa: E402
 from ds_kfac.planning.calibrate import Timed, calibrate  # noqa: E402
-from ds_kfac.planning.predict import Calibration, predict_plan  # noqa: E402
+from ds_kfac.planning.predict import REPORTED_PHASES, Calibration, PlacementTime, predict_plan, reported  # noqa: E402
 from ds_kfac.preconditioning.build import preconditioned_parameters  # noqa: E402
 from ds_kfac.timing import PHASES as KFAC_PHASES  # noqa: E402
 
@@ -716,14 +716,21 @@ def predicted(
     calibration = calibrate(timed)
     if rank:
         return None
-    micro = len(next(iter(pool[0].values())))
-    job = read_job({"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": spec["ga"],
-                    "kfac": spec["kfac_config"]}, spec["world"])  # fmt: skip
-    config = job.kfac
-    plan = plan_job(model, job, [config.grad_worker_fraction], [config.factor_reduction])
-    (time,) = predict_plan(plan, calibration)
+    (time,) = predicted_times(model, spec["kfac_config"], spec["ga"], spec["world"], None, calibration)
     return {"ranks_ms": [{k: 1e3 * v for k, v in r.items()} for r in time.ranks], "overhead_ms": 1e3 * time.overhead,
             "calibration": dataclasses.asdict(calibration)}  # fmt: skip
+
+
+def predicted_times(
+    model: nn.Module, section: dict[str, Any], ga: int, world: int, placements: Optional[Sequence[str]],
+    calibration: Calibration,
+) -> list[PlacementTime]:  # fmt: skip
+    """``calibration``'s prediction of ``placements`` (default: the section's) for ``model`` at ``world`` ranks, its
+    micro-batch (the calibration's) and ``ga``, at the section's factor reduction."""
+    job = read_job({"train_micro_batch_size_per_gpu": calibration.micro_batch, "gradient_accumulation_steps": ga,
+                    "kfac": section}, world)  # fmt: skip
+    plan = plan_job(model, job, placements or [job.kfac.grad_worker_fraction], [job.kfac.factor_reduction])
+    return predict_plan(plan, calibration)
 
 
 def worker(spec_path: Path, rank: int) -> None:
@@ -927,33 +934,26 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(floors)
 
 
-PREDICTED_PHASES = ("hooks", "factor_comm", "factors", "decompose", "precondition")
-
-
 def prediction_table(results: Sequence[dict[str, Any]]) -> str:
     """Measured against predicted (``--predict``): K-FAC's ms per step, rank 0's measured phases (its untimed rest
     with ``precondition``, ``stack`` with ``decompose``, ``sampled_backward`` with ``hooks``) and the slowest rank's
     predicted ones."""
-    head = " | ".join(f"{p} measured / predicted" for p in PREDICTED_PHASES)
+    head = " | ".join(f"{p} measured / predicted" for p in REPORTED_PHASES)
     rows = [
         "| configuration | network | K-FAC ms measured | K-FAC - base ms | predicted | predicted / measured "
         f"| {head} |",
-        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in PREDICTED_PHASES) + " |",
+        "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in REPORTED_PHASES) + " |",
     ]
     for result in results:
         for c in result["configurations"]:
             if "predicted" not in c:
                 continue
             k, pred = c["arms"]["kfac"], c["predicted"]
-            measured = {p: k["phases_ms"].get(p, 0.0) for p in (*PREDICTED_PHASES, "stack", "sampled_backward")}
+            measured = reported(k["phases_ms"])
             measured["precondition"] += k.get("untimed_ms", 0.0)
-            measured["decompose"] += measured.pop("stack")
-            measured["hooks"] += measured.pop("sampled_backward")
-            slowest = max(pred["ranks_ms"], key=lambda r: sum(r.values()))
-            slowest = {**slowest, "decompose": slowest["decompose"] + slowest.get("stack", 0.0),
-                       "hooks": slowest["hooks"] + slowest.get("sampled_backward", 0.0)}  # fmt: skip
-            total = sum(measured.values())
-            cells = " | ".join(f"{measured[p]:.1f} / {slowest.get(p, 0.0):.1f}" for p in PREDICTED_PHASES)
+            slowest = reported(max(pred["ranks_ms"], key=lambda r: sum(r.values())))
+            total = kfac_ms(c)
+            cells = " | ".join(f"{measured[p]:.1f} / {slowest[p]:.1f}" for p in REPORTED_PHASES)
             rows.append(
                 f"| {label(c)} | {result['settings'].get('network') or 'this machine'} | {total:.1f} "
                 f"| {k['mean_ms'] - c['arms']['base']['mean_ms']:.1f} | {pred['overhead_ms']:.1f} "
@@ -982,12 +982,9 @@ def ranking_table(results: Sequence[dict[str, Any]]) -> str:
         orders = []
         for _, c in members:
             calibration = Calibration.load_dict(c["predicted"]["calibration"])
-            section = {**c["kfac_config"], "grad_worker_fraction": "comm-opt"}
-            job = read_job({"train_micro_batch_size_per_gpu": calibration.micro_batch,
-                            "gradient_accumulation_steps": ga, "kfac": section}, world)  # fmt: skip
             placements = list(dict.fromkeys(m["placement"] for _, m in members))
-            plan = plan_job(model, job, placements, [job.kfac.factor_reduction])
-            times = sorted((1e3 * t.overhead, t.fraction) for t in predict_plan(plan, calibration))
+            predictions = predicted_times(model, c["kfac_config"], ga, world, placements, calibration)
+            times = sorted((1e3 * t.overhead, t.fraction) for t in predictions)
             orders.append(" < ".join(f"{f} {ms:.1f}" for ms, f in times))
         rows.append(f"| {workload}, {world}, {ga} | {net} | {' < '.join(f'{p} {ms:.1f}' for ms, p in measured)} "
                     f"| {'; '.join(orders)} |")  # fmt: skip

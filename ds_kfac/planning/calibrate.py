@@ -30,7 +30,7 @@ from ..optimizers import Adam, split_groups
 from ..preconditioner import KFACPreconditioner
 from ..preconditioning.build import preconditioned_parameters
 from ..timing import PHASES
-from .predict import Calibration, Link
+from .predict import Calibration, Link, collected
 
 Batch = dict[str, torch.Tensor]
 LINK_BYTES = tuple(4096 * 4**i for i in range(7))
@@ -163,7 +163,7 @@ def calibrate(timed: Timed, steps: Optional[int] = None, group: Optional[dist.Pr
         forward_backward=slowest[-1],
         accumulation=accumulation,
         micro_batch=len(next(iter(timed.batches[0].values()))),
-        collected=min(KFACConfig.parse(timed.section).factor_micro_batches or accumulation, accumulation),
+        collected=collected(KFACConfig.parse(timed.section), accumulation),
         cadence=cadence,
         links=links,
         samples=samples,

@@ -56,28 +56,27 @@ def bert_config(spec: str, bert: dict[str, Any], vocab_size: Optional[int] = Non
     return {**keys, "max_position_embeddings": max(keys.get("max_position_embeddings", 512), seq)}
 
 
-def bert_on_meta(keys: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]]]:
-    """``BertForPreTraining(BertConfig(**keys))`` on the meta device (no memory, no initialisation cost) and its
-    param groups as ``examples/bert/pretrain.py`` passes them."""
+def bert_on(keys: dict[str, Any], device: torch.device) -> nn.Module:
+    """``BertForPreTraining(BertConfig(**keys))`` built on ``device`` (the meta device: no memory, no initialisation
+    cost), in training mode; keys it cannot be built from raise a ``ValueError`` naming why."""
     from transformers import BertConfig, BertForPreTraining
 
     try:
-        with torch.device("meta"):
+        with torch.device(device):
             model = BertForPreTraining(BertConfig(**keys))
     except Exception as err:  # noqa: BLE001 (transformers' and torch's refusals of the keys, named in one line)
         reason = " ".join(str(err).split())
         raise ValueError(f"the model's BertConfig keys cannot build BertForPreTraining: {reason}") from None
+    return model.train()
+
+
+def bert_on_meta(keys: dict[str, Any]) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """:func:`bert_on` the meta device, and its param groups as ``examples/bert/pretrain.py`` passes them."""
+    model = bert_on(keys, torch.device("meta"))
     named = list(model.named_parameters())
     no_decay = [p for n, p in named if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in named if not (n.endswith("bias") or "LayerNorm" in n)]
     return model, [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def bert_on(keys: dict[str, Any], device: torch.device) -> nn.Module:
-    """``BertForPreTraining(BertConfig(**keys))`` on ``device``, initialised, in training mode (``--calibrate``)."""
-    from transformers import BertConfig, BertForPreTraining
-
-    return BertForPreTraining(BertConfig(**keys)).to(device).train()
 
 
 def bert_batches(

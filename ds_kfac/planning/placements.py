@@ -14,7 +14,7 @@ from ..optimizers import split_groups
 from ..placement import RankRoles
 from ..placement.gradients import layer_holders
 from ..preconditioning.build import model_blocks, preconditioned_parameters
-from .costs import Gradients, RankCost, block_sizes, rank_cost
+from .costs import BlockSizes, Gradients, RankCost, block_sizes, rank_cost
 from .job import Job
 
 FRACTIONS: tuple[str, ...] = ("comm-opt", "hybrid-opt", "mem-opt")
@@ -47,6 +47,8 @@ class Plan:
     split: list[str]
     """The layers ZeRO 1/2 split across ranks' partitions (assembled by one all-reduce per step)."""
     placements: list[PlacementCost]
+    sizes: dict[str, BlockSizes]
+    """Each layer's tensors' bytes (the same under every placement)."""
 
 
 def plan_job(
@@ -80,7 +82,7 @@ def plan_job(
                 continue
             ranks = [rank_cost(blocks, sizes, rank, gradients) for rank in roles]
             placements.append(PlacementCost(fraction, reduction, roles[0].plan.n, ranks, roles=roles))
-    return Plan(job, blocks, skipped, gradients, split, placements)
+    return Plan(job, blocks, skipped, gradients, split, placements, sizes)
 
 
 def _gradients(

@@ -35,11 +35,22 @@ from ..curvature import CurvatureBlock
 from ..placement import RankRoles
 from ..placement.decompositions import shared_sides
 from ..placement.factors import PRESENCE_DTYPE
-from .costs import BlockSizes, RankCost, block_sizes
+from .costs import BlockSizes, RankCost
 from .placements import Plan
 
 COMPUTE_PHASES = ("hooks", "sampled_backward", "factors", "decompose", "stack", "precondition")
 """K-FAC's phases (:data:`ds_kfac.timing.PHASES`) that the calibration measures on one rank and splits by layer."""
+REPORTED_PHASES = ("hooks", "factor_comm", "factors", "decompose", "precondition")
+"""The phases the tables show (:func:`reported`)."""
+
+
+def reported(phases: dict[str, float]) -> dict[str, float]:
+    """``phases`` (measured or predicted seconds or ms, by :data:`ds_kfac.timing.PHASES`) as the tables show them:
+    ``stack`` counted in ``decompose``, the sampled Fisher's backward in ``hooks``."""
+    out = {p: phases.get(p, 0.0) for p in REPORTED_PHASES}
+    out["decompose"] += phases.get("stack", 0.0)
+    out["hooks"] += phases.get("sampled_backward", 0.0)
+    return out
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,11 @@ class Calibration:
     network: str = ""
     """A stated network (``ds_kfac.comm.network``'s ``latency=...,bandwidth=...``) that replaces the measured
     links in predictions: a cluster's interconnect, for predictions at world sizes not launched."""
+
+    def forward_backward_for(self, micro_batch: int, accumulation: int) -> float:
+        """The forward and backward's seconds a step at another micro-batch and accumulation (in proportion to the
+        examples)."""
+        return self.forward_backward * micro_batch * accumulation / (self.micro_batch * self.accumulation)
 
     def seconds(self, kind: str, calls: int, nbytes: float, world: int) -> float:
         """``calls`` collectives of ``kind`` carrying ``nbytes`` in all among ``world`` ranks: by the measured
@@ -177,9 +193,9 @@ def predict_rank(
     return out
 
 
-def rows(config: KFACConfig, micro_batch: int, accumulation: int) -> int:
-    """Examples a factor-update step collects factors from: ``factor_micro_batches`` (default all) micro-batches."""
-    return min(config.factor_micro_batches or accumulation, accumulation) * micro_batch
+def collected(config: KFACConfig, accumulation: int) -> int:
+    """Micro-batches a factor-update step collects factors from: ``factor_micro_batches``, by default all."""
+    return min(config.factor_micro_batches or accumulation, accumulation)
 
 
 @dataclass
@@ -195,20 +211,24 @@ class PlacementTime:
     def overhead(self) -> float:
         return max((sum(r.values()) for r in self.ranks), default=math.nan)
 
+    @property
+    def slowest(self) -> dict[str, float]:
+        """The slowest rank's seconds by phase (the one the step waits for)."""
+        return max(self.ranks, key=lambda r: sum(r.values()))
+
 
 def predict_plan(plan: Plan, calibration: Calibration, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[PlacementTime]:
     """Every placement of ``plan`` (:func:`~ds_kfac.planning.plan_job`'s), every rank, predicted."""
     job = plan.job
-    sizes = {b.name: block_sizes(b, job.kfac, job.param_dtype) for b in plan.blocks}
     out = []
     for placement in plan.placements:
         if placement.refused:
             out.append(PlacementTime(placement.fraction, placement.reduction, [], placement.refused))
             continue
-        config = placement.roles[0].config
-        examples = rows(config, job.micro_batch, job.accumulation) / (calibration.collected * calibration.micro_batch)
+        examples = collected(placement.roles[0].config, job.accumulation) * job.micro_batch
+        examples /= calibration.collected * calibration.micro_batch
         ranks = [
-            predict_rank(calibration, plan.blocks, sizes, roles, cost, bucket_bytes, examples)
+            predict_rank(calibration, plan.blocks, plan.sizes, roles, cost, bucket_bytes, examples)
             for roles, cost in zip(placement.roles, placement.ranks)
         ]
         out.append(PlacementTime(placement.fraction, placement.reduction, ranks))

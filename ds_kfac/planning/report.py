@@ -8,7 +8,7 @@ import torch
 
 from .costs import RankCost
 from .placements import PlacementCost, Plan
-from .predict import Calibration, PlacementTime
+from .predict import REPORTED_PHASES, Calibration, PlacementTime, reported
 
 HELD = ("factors", "decompositions", "eigenbasis_moments")
 """The memory categories with a column of their own; the others (``S``, ``eigen-outer``'s cache, adaptive refresh's
@@ -142,18 +142,15 @@ def render_times(plan: Plan, times: Sequence[PlacementTime], calibration: Calibr
     and refresh interval: the placement with the least overhead, and the shortest interval on a ladder around the
     configured one at which the decompositions cost at most ``refresh_budget`` of the step's forward and backward."""
     job = plan.job
-    examples = job.accumulation * job.micro_batch
-    base = calibration.forward_backward * examples / (calibration.accumulation * calibration.micro_batch)
+    base = calibration.forward_backward_for(job.micro_batch, job.accumulation)
     placed = [(p, t) for p, t in zip(plan.placements, times) if not t.refused]
-    phases = ("hooks", "factor_comm", "factors", "decompose", "precondition")
     rows = []
     for p, t in placed:
-        slowest = max(t.ranks, key=lambda r: sum(r.values()))
-        merged = {**slowest, "decompose": slowest["decompose"] + slowest.get("stack", 0.0),
-                  "hooks": slowest["hooks"] + slowest.get("sampled_backward", 0.0)}  # fmt: skip
-        rows.append((label(p, plan), [1e3 * merged[k] for k in phases] + [1e3 * t.overhead, 100 * t.overhead / base]))
+        phases = reported(t.slowest)
+        values = [1e3 * phases[k] for k in REPORTED_PHASES]
+        rows.append((label(p, plan), [*values, 1e3 * t.overhead, 100 * t.overhead / base]))
     width = max(len(name) for name, _ in rows)
-    header = [*phases, "K-FAC ms", "% of fwd+bwd"]
+    header = [*REPORTED_PHASES, "K-FAC ms", "% of fwd+bwd"]
     lines = [
         f"Predicted K-FAC time per step on {job.world} ranks, ms (the slowest rank; calibrated on "
         f"{calibration.world} x {calibration.device}: forward and backward {1e3 * base:,.1f} ms a step at "
@@ -163,11 +160,10 @@ def render_times(plan: Plan, times: Sequence[PlacementTime], calibration: Calibr
     ]
     same = [(p, t) for p, t in placed if p.reduction == job.kfac.factor_reduction]  # a reduction changes the math
     best_p, best_t = min(same or placed, key=lambda pt: pt[1].overhead)
-    slowest = max(best_t.ranks, key=lambda r: sum(r.values()))
     refresh = job.kfac.inv_update_steps if isinstance(job.kfac.inv_update_steps, int) else None
     advice = f"Recommended: grad_worker_fraction {best_p.fraction!r}, factor_reduction {best_p.reduction!r}"
     if refresh:
-        per_refresh = (slowest["decompose"] + slowest.get("stack", 0.0)) * refresh  # seconds per decomposition step
+        per_refresh = reported(best_t.slowest)["decompose"] * refresh  # seconds per decomposition step
         ladder = sorted({max(1, refresh // 4), max(1, refresh // 2), refresh, 2 * refresh, 4 * refresh})
         fits = [k for k in ladder if per_refresh / k <= refresh_budget * base]
         chosen = fits[0] if fits else ladder[-1]
