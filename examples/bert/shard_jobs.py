@@ -198,10 +198,19 @@ def in_workers(jobs: list[Job], workers: int, done: Callable[[dict[str, Any]], N
         waiting = iter(jobs)
         running: dict[Future, Job] = {}
 
-        def submit() -> None:
+        def died(flight: list[Job]) -> shards.ShardError:
+            return shards.ShardError(
+                f"a preparation worker died (killed, e.g. for memory: lower --shard-mb or --workers) while preparing "
+                f"{', '.join(_where(j) for j in flight)}: run the same command again, it redoes the shards not written"
+            )
+
+        def submit() -> None:  # the pool may be seen broken here first, when a worker dies as another one finishes
             job = next(waiting, None)
             if job is not None:
-                running[pool.submit(prepare_shard, job)] = job
+                try:
+                    running[pool.submit(prepare_shard, job)] = job
+                except BrokenProcessPool:
+                    raise died(list(running.values())) from None
 
         for _ in range(workers):
             submit()
@@ -212,10 +221,6 @@ def in_workers(jobs: list[Job], workers: int, done: Callable[[dict[str, Any]], N
                 try:
                     record = future.result()
                 except BrokenProcessPool:
-                    flight = ", ".join(_where(j) for j in [job, *running.values()])
-                    raise shards.ShardError(
-                        f"a preparation worker died (killed, e.g. for memory: lower --shard-mb or --workers) while "
-                        f"preparing {flight}: run the same command again, it redoes the shards not written"
-                    ) from None
+                    raise died([job, *running.values()]) from None
                 done(record)
                 submit()
