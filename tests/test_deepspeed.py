@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import launch
 import pytest
 import torch
+from test_auto_placement import HEAVY_PRECONDITION, SLOW_BROADCAST
+from test_calibration import CALIBRATION
 from workers import ds_worker, problem
 
 import ds_kfac
-from ds_kfac import KFACPreconditioner
+from ds_kfac import KFACConfig, KFACPreconditioner
+from ds_kfac.planning.predict import layer_shapes
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -218,6 +222,7 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list
     scenarios.update(loss_scale_scenarios())
     scenarios.update(default_refresh_scenarios(WORLD))
     scenarios.update(resume_scenarios(out))
+    scenarios.update(auto_scenarios(out))
     scenarios["saved_for_world1"] = {"kfac": KFAC, "steps": 3, "save": {"dir": str(out / "ckpt-world1"), "at": 3}}
     results = dict(zip(scenarios, launch.deepspeed_run(WORLD, out, list(scenarios.values()))))
     return {**results, "checkpoint_for_world1": str(out / "ckpt-world1"), "zero2_checkpoint": str(out / "ckpt-2-plain")}
@@ -408,6 +413,52 @@ def test_checkpoint_resume_is_bitwise(equivalence_runs: dict, stage: int) -> Non
     options = runs[3][0]["kfac"]
     assert options["counters"]["sampled_passes"] == 6 * GA and options["counters"]["sampled_factor_steps"] == 6
     assert {key for entry in options["layers"].values() for key in entry} >= {"A", "G", "S", "F"}
+
+
+def auto_scenarios(out: Path) -> dict[str, dict]:
+    """``"grad_worker_fraction": "auto"`` at ZeRO 0: a run choosing from a calibration where preconditioning is all
+    the cost (one gradient worker per layer is fastest) saved after its last step; resumed choosing from the same file,
+    and from one where every broadcast costs a second (comm-opt is fastest), refused."""
+    shapes = layer_shapes(problem.make_model(), KFACConfig.parse(KFAC))
+    files = {}
+    for name, changes in (("heavy", HEAVY_PRECONDITION), ("slow", SLOW_BROADCAST)):
+        files[name] = str(out / f"calibration-{name}.json")
+        dataclasses.replace(CALIBRATION, layers=shapes, **changes).save(files[name])
+    ckpt = str(out / "ckpt-auto")
+    kfac = {**KFAC, "grad_worker_fraction": "auto"}
+    return {
+        "auto_chosen": {
+            "kfac": {**kfac, "calibration": files["heavy"]},
+            "steps": STEPS,
+            "save": {"dir": ckpt, "at": STEPS},
+        },
+        "auto_resumed": {"kfac": {**kfac, "calibration": files["heavy"]}, "steps": STEPS + 1, "load": ckpt},
+        "auto_resumed_otherwise": {
+            "kfac": {**kfac, "calibration": files["slow"]},
+            "steps": STEPS + 1,
+            "load": ckpt,
+            "expect_error": True,
+        },
+    }
+
+
+def test_auto_chooses_at_start_up_and_keeps_its_choice(equivalence_runs: dict) -> None:
+    """Issue 68, item 3: both ranks build the placement rank 0 chose (one gradient worker per layer), train as one
+    process does, and record the choice in the checkpoint; a resume choosing the same loads, one choosing comm-opt
+    is refused on every rank, naming the saved choice."""
+    chosen = equivalence_runs["auto_chosen"]
+    assert_ranks_identical(chosen)
+    assert all(len(workers) == 1 for _, _, workers in chosen[0]["plan"].values())
+    record = chosen[0]["kfac"]["auto_placement"]
+    assert record["grad_worker_fraction"] in ("hybrid-opt", "mem-opt")  # n = 1 at 2 ranks: the same placement
+    assert record["calibration"].endswith("calibration-heavy.json")
+    expected, _ = reference(STEPS)
+    for got, want in zip(chosen[0]["params"], expected):
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    assert [r["kfac_steps"] for r in equivalence_runs["auto_resumed"]] == [STEPS + 1] * WORLD
+    for rank in equivalence_runs["auto_resumed_otherwise"]:
+        assert f"chose {record['grad_worker_fraction']!r} (from calibration" in rank["error"]
+        assert "this run's chose 'comm-opt'" in rank["error"]
 
 
 def test_resume_at_another_world_size(equivalence_runs: dict, one_rank: None) -> None:

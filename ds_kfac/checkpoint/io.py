@@ -15,7 +15,7 @@ import torch
 from ..curvature import blocks_device
 from ..placement.state_gather import gather_state
 from ..state import Scalars
-from .record import METHOD_KEYS, STATE_VERSION, LayerRecord
+from .record import AUTO_PLACEMENT_KEYS, METHOD_KEYS, STATE_VERSION, LayerRecord
 from .validation import CheckedState, ExpectedLayer, ExpectedState, check_state
 
 if TYPE_CHECKING:
@@ -39,7 +39,19 @@ def state_dict(kfac: KFACPreconditioner) -> Optional[dict[str, Any]]:
         # Restarted on load from the saved factors, which are those it started from.
         "pending_decompositions": None if p is None else {"started": p.started, "install_at": p.install_at},
         "layers": {name: dataclasses.replace(record, shape=dims[name]).to_dict() for name, record in layers.items()},
+        "auto_placement": _auto_placement(kfac),
     }
+
+
+def _auto_placement(kfac: KFACPreconditioner) -> Optional[dict[str, Any]]:
+    """What ``"auto"`` chose for this run (``ds_kfac.initialize`` leaves its ``calibration`` on the config it chose
+    for), as saved and as a state must match; ``None`` where the config named a fraction."""
+    config = kfac.config
+    return (
+        None
+        if config.calibration is None
+        else dict(zip(AUTO_PLACEMENT_KEYS, (config.grad_worker_fraction, config.calibration)))
+    )
 
 
 def _method_keys(kfac: KFACPreconditioner) -> dict[str, Any]:
@@ -84,6 +96,7 @@ def _expected_state(kfac: KFACPreconditioner) -> ExpectedState:
         layers=layers,
         adaptive=kfac.refresh is not None,
         moments=kfac.config.eigenbasis_moments,
+        auto_placement=_auto_placement(kfac),
     )
 
 

@@ -30,8 +30,12 @@ they match."""
 
 REQUIRED_KEYS = ("version", "steps", "counters", "layers")
 
-OPTIONAL_KEYS = ("refresh", "pending_decompositions")
+OPTIONAL_KEYS = ("refresh", "pending_decompositions", "auto_placement")
 """Top-level keys that a state may leave out (it then has none)."""
+
+AUTO_PLACEMENT_KEYS = ("grad_worker_fraction", "calibration")
+"""``"auto_placement"``: the preset ``"grad_worker_fraction": "auto"`` chose and the calibration it chose from
+(``None`` where the config named a fraction). A run whose ``"auto"`` chooses another loads no such state."""
 
 SHAPE = "shape"
 """A layer entry's ``(a_dim, g_dim)``."""

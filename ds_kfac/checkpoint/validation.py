@@ -14,8 +14,9 @@ Every rank checks the whole state, so all ranks refuse or accept it together.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -24,6 +25,7 @@ from ..curvature.decomposition import Shape
 from ..curvature.numerics import finite_flags
 from ..curvature.refresh import factor_name
 from .record import (
+    AUTO_PLACEMENT_KEYS,
     DECOMPOSITION,
     METHOD_KEYS,
     MOMENT_KEYS,
@@ -61,6 +63,8 @@ class ExpectedState:
     """Whether decompositions refresh adaptively (the state then holds the schedule and each side's references)."""
     moments: bool = False
     """Whether each layer holds its eigenbasis moments (``eigenbasis_moments``)."""
+    auto_placement: Optional[dict[str, Any]] = None
+    """What ``"grad_worker_fraction": "auto"`` chose for this run (:data:`~.record.AUTO_PLACEMENT_KEYS`), or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,28 @@ def _setup_problems(state: dict[str, Any], setup: ExpectedState) -> list[str]:
             f"does not match this model's layers: missing from the checkpoint {sorted(here - saved)}, "
             f"not in this model {sorted(saved - here, key=str)}"
         )
+    problems += _placement_problems(state.get("auto_placement"), setup.auto_placement)
     saved_adaptive = state.get("refresh") is not None
     if saved_adaptive != setup.adaptive:
         problems.append(f"saved with inv_update_steps {_mode(saved_adaptive)}, this run uses {_mode(setup.adaptive)}")
     return problems
+
+
+def _placement_problems(saved: Any, now: Optional[dict[str, Any]]) -> list[str]:
+    """A state saved by a run whose ``"auto"`` chose another placement than this run's ``"auto"`` (a fraction named
+    in either run's config, or the same choice, loads)."""
+    if saved is None:
+        return []
+    if not (isinstance(saved, dict) and set(saved) == set(AUTO_PLACEMENT_KEYS)):
+        return [f"'auto_placement' must be None or a dict of {AUTO_PLACEMENT_KEYS}, got {_describe(saved)}"]
+    fraction = saved["grad_worker_fraction"]
+    if now is None or now["grad_worker_fraction"] == fraction:
+        return []
+    return [
+        f"saved by a run whose grad_worker_fraction 'auto' chose {fraction!r} (from calibration "
+        f"{saved['calibration']!r}), this run's chose {now['grad_worker_fraction']!r} (from {now['calibration']!r}): "
+        f'to resume on the saved placement, set "grad_worker_fraction": {json.dumps(fraction)} in place of "auto"'
+    ]
 
 
 def _mode(adaptive: bool) -> str:

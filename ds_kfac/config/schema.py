@@ -16,21 +16,21 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Field,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from .errors import KFACConfigError, format_errors
 from .ranges import DECAY, FRACTION, POSITIVE, POSITIVE_INTEGER, UNDERFLOW, UNIT, Range
 from .schedules import PiecewiseSchedule, resolve
 
 PLACEMENT_PRESETS = ("comm-opt", "hybrid-opt", "mem-opt")
+AUTO = "auto"
+"""``grad_worker_fraction``'s word for a preset chosen by ``ds_kfac.initialize`` from ``calibration``."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class KFACConfigError(ValueError):
-    """A bad ``kfac`` configuration: the message names each key, value and what is allowed."""
 
 
 def _alternatives(rng: Range, words: tuple[str, ...], also: tuple[str, ...] = ()) -> str:
@@ -150,7 +150,8 @@ class KFACConfig(BaseModel):
     basis_keep_drift: _number(UNIT) = 0.0
     eigenbasis_max_dim: Optional[_number(POSITIVE_INTEGER)] = None
     tied_layers: Literal["skip", "precondition"] = "skip"
-    grad_worker_fraction: _number(FRACTION, PLACEMENT_PRESETS) = "comm-opt"
+    grad_worker_fraction: _number(FRACTION, (*PLACEMENT_PRESETS, AUTO)) = "comm-opt"
+    calibration: Annotated[Optional[str], Field(validate_default=True)] = None
     factor_reduction: Literal["allreduce", "reduce", "local"] = "allreduce"
     assignment: Literal["compute", "memory"] = "compute"
     skip_layers: list[str] = []
@@ -163,6 +164,19 @@ class KFACConfig(BaseModel):
     overlap_factor_comm: bool = True
     async_decompositions: bool = False
     refresh_spread: bool = False
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration_for_auto(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        auto = info.data.get("grad_worker_fraction") == AUTO
+        if auto and v is None:
+            raise ValueError(
+                "grad_worker_fraction 'auto' needs the path of a calibration saved by "
+                "'python -m ds_kfac.plan --calibrate --save-calibration FILE' (docs/placement.md, \"auto\")"
+            )
+        if v is not None and "grad_worker_fraction" in info.data and not auto:
+            raise ValueError("is read only with grad_worker_fraction 'auto' (this config names a fraction)")
+        return v
 
     @field_validator("async_decompositions")
     @classmethod
@@ -330,29 +344,3 @@ class KFACConfig(BaseModel):
             return cls(**section)
         except ValidationError as err:
             raise KFACConfigError(format_errors(err, where, cls, "K-FAC")) from None
-
-
-def format_errors(err: ValidationError, where: str, model: type[BaseModel], title: str) -> str:
-    """One message for every error of ``model`` (the ``where`` section of a config, e.g. ``"kfac"``), a line per key."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not _is_union_tag(p))
-        key = f"{where}.{loc}" if loc else where
-        if e["type"] == "extra_forbidden":
-            allowed = ", ".join(model.model_fields)
-            lines.append(f"{key}: unknown key (allowed keys: {allowed})")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{key}: {msg} (got {e.get('input')!r})")
-    # Union fields report once per alternative; keep the first message per key.
-    seen: dict[str, str] = {}
-    for line in lines:
-        seen.setdefault(line.split(":", 1)[0], line)
-    return f"invalid {title} config:\n  " + "\n  ".join(seen.values())
-
-
-def _is_union_tag(part: Any) -> bool:
-    """pydantic appends the tried union member (e.g. ``float``) to error locations."""
-    return isinstance(part, str) and (
-        part in {"float", "int", "str", "bool"} or part.startswith(("literal[", "function-"))
-    )

@@ -7,8 +7,9 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..config.errors import KFACConfigError, format_errors
 from ..config.ranges import POSITIVE, POSITIVE_INTEGER
-from ..config.schema import KFACConfigError, _number, format_errors
+from ..config.schema import _number
 
 
 class EASGDConfig(BaseModel):

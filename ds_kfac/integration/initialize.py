@@ -45,6 +45,7 @@ from packaging.version import Version
 from ..config import KFACConfig
 from ..config.json_values import json_object
 from ..easgd import EASGDConfig
+from .auto_placement import resolve_auto
 from .easgd import EASGDEngine, KFACEASGDEngine
 from .easgd import refuse_unsupported as refuse_easgd_unsupported
 from .engine import KFACEngine
@@ -218,6 +219,8 @@ def initialize(
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,
     )
+    groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else model_parameters
+    kfac_config = resolve_auto(kfac_config, {**config, "kfac": kfac_section}, model, mpu, groups)
     optimizer, kfac_config = setup_optimizer(config, model, optimizer, model_parameters, kfac_config)
     if kfac_config.enabled:
         mpu = _as_deepspeed_mpu(mpu)

@@ -77,6 +77,11 @@ class LayerPlacement:
 
 def workers_per_layer(fraction: Union[str, float], world: int) -> int:
     """``n``, the number of gradient workers per layer, checked to divide ``world``."""
+    if fraction == "auto":
+        raise KFACConfigError(
+            "kfac.grad_worker_fraction='auto' is chosen by ds_kfac.initialize from kfac.calibration, before K-FAC "
+            "starts; a KFACPreconditioner built directly needs a fraction or a preset (comm-opt, hybrid-opt, mem-opt)"
+        )
     if fraction == "mem-opt":
         return 1
     value = PRESET_FRACTIONS.get(fraction, fraction) if isinstance(fraction, str) else fraction

@@ -30,7 +30,8 @@ from ..optimizers import Adam, split_groups
 from ..preconditioner import KFACPreconditioner
 from ..preconditioning.build import preconditioned_parameters
 from ..timing import PHASES
-from .predict import Calibration, Link, collected
+from .job import placed
+from .predict import Calibration, Link, collected, layer_shapes
 
 Batch = dict[str, torch.Tensor]
 LINK_BYTES = tuple(4096 * 4**i for i in range(7))
@@ -73,7 +74,7 @@ def measure_phases(timed: Timed, steps: Optional[int] = None) -> tuple[dict[str,
     rank: one refresh cycle of warm-up (the first full decompositions), then ``steps`` (default: one cycle) timed.
     Returns the cadence measured at too."""
     model, accumulation = timed.model, timed.accumulation
-    config = KFACConfig.parse({**timed.section, "grad_worker_fraction": "comm-opt"})
+    config = placed(timed.section, "comm-opt")
     cycle = config.inv_update_steps if isinstance(config.inv_update_steps, int) else 4 * config.factor_update_steps
     params = model.parameters()
     if config.eigenbasis_moments:
@@ -155,7 +156,7 @@ def calibrate(timed: Timed, steps: Optional[int] = None, group: Optional[dist.Pr
     phases, forward_backward, cadence = measure_phases(timed, steps)
     slowest = _slowest([phases.get(n, 0.0) for n in PHASES] + [forward_backward], group)
     links, samples = measure_links(device, group)
-    accumulation = timed.accumulation
+    accumulation, config = timed.accumulation, KFACConfig.parse(timed.section)
     return Calibration(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         world=data_parallel_world(group),
@@ -163,8 +164,9 @@ def calibrate(timed: Timed, steps: Optional[int] = None, group: Optional[dist.Pr
         forward_backward=slowest[-1],
         accumulation=accumulation,
         micro_batch=len(next(iter(timed.batches[0].values()))),
-        collected=collected(KFACConfig.parse(timed.section), accumulation),
+        collected=collected(config, accumulation),
         cadence=cadence,
         links=links,
         samples=samples,
+        layers=layer_shapes(timed.model, config),
     )

@@ -110,7 +110,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         keys = bert_config(spec, job.bert, args.vocab_size)
         model, groups = bert_on_meta(keys)
         plan = plan_job(model, job, args.fraction or FRACTIONS, args.reduction or REDUCTIONS, groups)
-    except (KFACConfigError, ValueError) as err:
+        if calibration is None and job.kfac.calibration is not None:  # "auto": what it will choose from
+            calibration = Calibration.load(job.kfac.calibration)
+    except (KFACConfigError, ValueError, OSError) as err:
         raise SystemExit(f"python -m ds_kfac.plan: {err}") from None
     title = f"BertForPreTraining {keys['num_hidden_layers']}x{keys['hidden_size']} (vocab {keys['vocab_size']})"
     print(render(plan, title, args.per_rank))
@@ -123,6 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             calibration.network = args.network
         print()
         print(render_times(plan, predict_plan(plan, calibration), calibration, args.refresh_budget))
+        if job.kfac.calibration is not None and not (args.calibration or args.calibrate or args.fraction):
+            print(f"(kfac.grad_worker_fraction 'auto' chooses this fraction at start-up, from {job.kfac.calibration})")
 
 
 def _calibrate(args: argparse.Namespace) -> tuple[Calibration, int]:

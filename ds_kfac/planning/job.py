@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -38,8 +38,17 @@ class Job:
     """The ``"bert"`` section that ``examples/bert/pretrain.py`` reads (``{}`` where there is none)."""
 
     def config_for(self, fraction: Union[str, float], reduction: str) -> KFACConfig:
-        """The ``"kfac"`` section with another placement, checked as ``initialize`` checks it."""
-        return KFACConfig.parse({**self.section, "grad_worker_fraction": fraction, "factor_reduction": reduction})
+        """The ``"kfac"`` section with another placement (:func:`placed`)."""
+        return placed(self.section, fraction, reduction)
+
+
+def placed(section: dict[str, Any], fraction: Union[str, float], reduction: Optional[str] = None) -> KFACConfig:
+    """A ``"kfac"`` section with ``fraction`` (and ``reduction``, where given) in place of its own, checked as
+    ``initialize`` checks it; its ``calibration``, read only for ``"auto"``, left out."""
+    changed = {"grad_worker_fraction": fraction, "calibration": None}
+    if reduction is not None:
+        changed["factor_reduction"] = reduction
+    return KFACConfig.parse({**section, **changed})
 
 
 def read_job(config: Union[str, Path, dict[str, Any]], world: int) -> Job:

@@ -22,11 +22,14 @@ The model and its assumptions are in docs/placement.md ("Time: calibrate").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence, Union
+
+from torch import nn
 
 from ..comm import DEFAULT_BUCKET_BYTES
 from ..comm.network import Network
@@ -35,8 +38,9 @@ from ..curvature import CurvatureBlock
 from ..placement import RankRoles
 from ..placement.decompositions import shared_sides
 from ..placement.factors import PRESENCE_DTYPE
+from ..preconditioning.build import model_blocks
 from .costs import BlockSizes, RankCost
-from .placements import Plan
+from .placements import PlacementCost, Plan
 
 COMPUTE_PHASES = ("hooks", "sampled_backward", "factors", "decompose", "stack", "precondition")
 """K-FAC's phases (:data:`ds_kfac.timing.PHASES`) that the calibration measures on one rank and splits by layer."""
@@ -88,6 +92,9 @@ class Calibration:
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
     """Each link's measured ``[bytes, seconds]`` pairs, kept for the record."""
 
+    layers: list[list[int]] = field(default_factory=list)
+    """``[a_dim, g_dim]`` of each K-FAC layer of the model measured (:func:`layer_shapes`): ``"auto"`` refuses to
+    predict another model's step from it."""
     network: str = ""
     """A stated network (``ds_kfac.comm.network``'s ``latency=...,bandwidth=...``) that replaces the measured
     links in predictions: a cluster's interconnect, for predictions at world sizes not launched."""
@@ -115,8 +122,20 @@ class Calibration:
 
     @classmethod
     def load_dict(cls, data: dict) -> Calibration:
-        """A calibration from its JSON object (:meth:`save`'s)."""
+        """A calibration from its JSON object (:meth:`save`'s); a ``ValueError`` names the fields it lacks."""
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING]
+        missing = [name for name in [*required, "links"] if name not in data]
+        unknown = set(data) - {f.name for f in fields}
+        if missing or unknown:
+            wrong = [f"{what} {keys}" for what, keys in (("missing", missing), ("unknown", sorted(unknown))) if keys]
+            raise ValueError(f"not a saved calibration: {', '.join(wrong)}")
         return cls(**{**data, "links": {kind: Link(**link) for kind, link in data["links"].items()}})
+
+
+def layer_shapes(model: nn.Module, config: KFACConfig) -> list[list[int]]:
+    """``[a_dim, g_dim]`` of each layer ``config`` registers in ``model``, sorted (the same for any names)."""
+    return sorted([b.adapter.a_dim, b.adapter.g_dim] for b in model_blocks(model, config)[0])
 
 
 def _share(blocks: Sequence[CurvatureBlock], roles: RankRoles) -> dict[str, float]:
@@ -233,3 +252,11 @@ def predict_plan(plan: Plan, calibration: Calibration, bucket_bytes: int = DEFAU
         ]
         out.append(PlacementTime(placement.fraction, placement.reduction, ranks))
     return out
+
+
+def fastest(plan: Plan, times: Sequence[PlacementTime]) -> tuple[PlacementCost, PlacementTime]:
+    """The placement with the least predicted overhead among those at the job's own ``factor_reduction`` (another
+    reduction changes the math; the first listed wins a tie): the CLI's recommendation and ``"auto"``'s choice."""
+    placed = [(p, t) for p, t in zip(plan.placements, times) if not t.refused]
+    same = [(p, t) for p, t in placed if p.reduction == plan.job.kfac.factor_reduction]
+    return min(same or placed, key=lambda pt: pt[1].overhead)

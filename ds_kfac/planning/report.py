@@ -8,7 +8,7 @@ import torch
 
 from .costs import RankCost
 from .placements import PlacementCost, Plan
-from .predict import REPORTED_PHASES, Calibration, PlacementTime, reported
+from .predict import REPORTED_PHASES, Calibration, PlacementTime, fastest, reported
 
 HELD = ("factors", "decompositions", "eigenbasis_moments")
 """The memory categories with a column of their own; the others (``S``, ``eigen-outer``'s cache, adaptive refresh's
@@ -158,8 +158,7 @@ def render_times(plan: Plan, times: Sequence[PlacementTime], calibration: Calibr
         f"{'':{width}}  " + "  ".join(f"{h:>12}" for h in header),
         *(f"{name:{width}}  " + "  ".join(f"{v:12,.2f}" for v in values) for name, values in rows),
     ]
-    same = [(p, t) for p, t in placed if p.reduction == job.kfac.factor_reduction]  # a reduction changes the math
-    best_p, best_t = min(same or placed, key=lambda pt: pt[1].overhead)
+    best_p, best_t = fastest(plan, times)
     refresh = job.kfac.inv_update_steps if isinstance(job.kfac.inv_update_steps, int) else None
     advice = f"Recommended: grad_worker_fraction {best_p.fraction!r}, factor_reduction {best_p.reduction!r}"
     if refresh:

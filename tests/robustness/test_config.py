@@ -155,6 +155,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "fisher": [True, None, "true_fisher", 1],
     "batchnorm": [True, None, "unitwise", 1],
     "grad_worker_fraction": [True, "0.5", None],
+    "calibration": [True, 1, ["c.json"]],
     "factor_reduction": [None, 0],
     "assignment": [1, None],
     "skip_layers": ["pooler", [1], None, {"pooler": 1}],
@@ -191,10 +192,11 @@ RIGHT_TYPES: dict[str, list[tuple[Any, Any]]] = {
     "basis_max_drift": [(1, 1.0), (0.25, 0.25)],
     "basis_keep_drift": [(0, 0.0), (0.5, 0.5)],
     "refresh_spread": [(True, True), (False, False)],
+    "calibration": [("c.json", "c.json")],
 }
-RIGHT_TYPE_CONTEXT = {"basis_keep_drift": {"basis_update": "subspace"}}
+RIGHT_TYPE_CONTEXT = {"basis_keep_drift": {"basis_update": "subspace"}, "calibration": {"grad_worker_fraction": "auto"}}
 """The keys another key's value must accompany for a right type to be accepted (a kept basis needs the subspace
-refresh)."""
+refresh, a calibration the fraction it is read for)."""
 
 
 def test_types_are_strict_for_every_key() -> None:
