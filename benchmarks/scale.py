@@ -7,8 +7,8 @@ every placement (comm-opt, hybrid-opt, mem-opt) at ZeRO 0 and 2, and mem-opt at 
 and step, ``tests/test_plan.py``'s ``KFAC`` (factors every step, a full decomposition at steps 0 and 2). Per rank and
 step it records the bytes and calls of each collective kind (``ds_kfac.comm.STATS``), K-FAC's memory
 (``memory_usage()``), the process groups ``initialize`` created, and the job's start-up (launcher start to the first
-step). It then holds each run to the planner exactly as the suite does (``test_plan.comparisons``; ZeRO 3 is not
-planned), its parameters to one process on the same global batch, and lists what per rank grows with the world size.
+step). It then holds each run to the planner exactly as the suite does (``test_plan.comparisons``, ZeRO 3
+included), its parameters to one process on the same global batch, and lists what per rank grows with the world size.
 Writes ``--result`` (JSON) and prints the tables::
 
     python benchmarks/scale.py --worlds 4 8 16 --steps 4 --out runs/scale --result benchmarks/results/scale.json
@@ -128,9 +128,7 @@ def planner(world: int, s: dict, results: list[dict]) -> dict[str, Any]:
     """The planner against one run, every row of ``test_plan.comparisons``: the largest relative error of the bytes
     each rank put into each collective kind at each step, of its memory by category (and factor buckets), of
     ``initialize``'s bytes, and the first rows that differ; ``error``, why it could not compare (the planner refused
-    the run, or ZeRO laid the gradients out otherwise). ZeRO 3: not planned."""
-    if s["ds"]["zero_optimization"]["stage"] == 3:
-        return {"not_planned": "the planner models ZeRO stages 0, 1 and 2"}
+    the run, or ZeRO laid the gradients out otherwise)."""
     try:
         rows = comparisons(world, s, results)
     except (AssertionError, SystemExit) as err:
@@ -215,8 +213,8 @@ def tables(worlds: dict[int, dict], grows: dict[str, dict[str, dict]]) -> str:
         for name, s in w["scenarios"].items():
             plan, rank, params = s["planner"], s["per_rank"], s["params"]
             errors = (fmt(plan.get("bytes_max_rel_err")), fmt(plan.get("memory_max_rel_err")))
-            if "not_planned" in plan or "error" in plan:
-                errors = ("not planned",) * 2 if "not_planned" in plan else ("error",) * 2
+            if "error" in plan:
+                errors = ("error",) * 2
             steps = len(rank["bytes_per_step"])
             lines.append(
                 f"| {world} | {name} | {errors[0]} | {errors[1]} | {params['max_abs_diff']:.1e}"

@@ -7,6 +7,7 @@ docs/placement.md), not a timed test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -130,6 +131,30 @@ def test_two_ranks_split_the_work_and_pay_for_their_collectives() -> None:
     assert comm.overhead == max(sum(r.values()) for r in comm.ranks)
 
 
+def test_zero3_pays_its_two_all_to_alls() -> None:
+    """At ZeRO 3 (mem-opt only) every rank takes part in two all-to-alls a step (the gradients' slices to each
+    layer's worker, ``P(g)``'s back), costed by the all-to-all link on the bytes the planner counts for the rank; a
+    calibration without that link is refused, naming it, and the other placements are refused as ``initialize``
+    refuses them."""
+    config = {**BERT_TINY, "zero_optimization": {"stage": 3}, "kfac": {**BERT_TINY["kfac"], "inv_update_steps": 10}}
+    job = read_job({**config, "gradient_accumulation_steps": 1}, 4)
+    model, groups = bert_on_meta(bert_config(job.bert["model"], job.bert))
+    plan = plan_job(model, job, FRACTIONS, ["allreduce"], groups)
+    assert [p.fraction for p in plan.placements if not p.refused] == ["mem-opt"]
+    link = Link(3e-4, 4e-9)
+    with_link = dataclasses.replace(CALIBRATION, links={**CALIBRATION.links, "all_to_all": link})
+    without = predict_plan(plan, dataclasses.replace(CALIBRATION, network="latency=0,bandwidth=1e30"))[-1]
+    placed = predict_plan(plan, with_link)[-1]
+    mem = plan.placements[-1]
+    for rank, cost in enumerate(mem.ranks):
+        sent = cost.every_step["all_to_all"]
+        assert sent > 0
+        paid = placed.ranks[rank]["precondition"] - without.ranks[rank]["precondition"]
+        assert paid == pytest.approx(2 * link.latency + link.per_byte * sent + 1e-4 + 2e-9 * 4, rel=1e-9)
+    with pytest.raises(ValueError, match="the calibration has no all_to_all link"):
+        predict_plan(plan, CALIBRATION)
+
+
 def test_a_saved_calibration_reads_back(tmp_path: Path) -> None:
     CALIBRATION.save(tmp_path / "c.json")
     assert Calibration.load(tmp_path / "c.json") == CALIBRATION
@@ -138,7 +163,8 @@ def test_a_saved_calibration_reads_back(tmp_path: Path) -> None:
 def test_calibrate_on_two_ranks_under_a_simulated_network(tmp_path: Path) -> None:
     """``--calibrate`` on 2 launched ranks of BERT 2x128: the links it fits carry the simulated network (a ring
     all-reduce at 2 ranks costs ``2 alpha + n / B``, a broadcast ``alpha + n / B``, on top of this machine's own
-    far faster transfer), and the placement it recommends is the prediction's fastest, from the saved file."""
+    far faster transfer; an all-to-all at least ``alpha + n / B`` of the ``n`` bytes a rank sends, gloo's own being
+    slow), and the placement it recommends is the prediction's fastest, from the saved file."""
     config = {**BERT_TINY, "kfac": {**BERT_TINY["kfac"], "factor_update_steps": 1, "inv_update_steps": 2}}
     (tmp_path / "ds.json").write_text(json.dumps(config))
     saved, log = tmp_path / "calibration.json", tmp_path / "log.txt"
@@ -150,11 +176,13 @@ def test_calibrate_on_two_ranks_under_a_simulated_network(tmp_path: Path) -> Non
     finally:
         del os.environ[network.ENV]
     calibration = Calibration.load(saved)
-    assert calibration.world == 2 and set(calibration.links) == {"all_reduce", "broadcast"}
+    assert calibration.world == 2 and set(calibration.links) == {"all_reduce", "broadcast", "all_to_all"}
     for kind, hops in (("all_reduce", 2), ("broadcast", 1)):  # plus this machine's own transfer, and its noise
         link = calibration.links[kind]
         assert hops * alpha - 1e-3 <= link.latency < hops * alpha + 5e-3, (kind, link)
         assert 0.9 / bandwidth <= link.per_byte < 1 / bandwidth + 5e-9, (kind, link)
+    (smallest, seconds), *_ = calibration.samples["all_to_all"]  # gloo's own all-to-all is slow on CPU: bounds only
+    assert smallest == 2048 and seconds >= alpha and calibration.links["all_to_all"].per_byte >= 0.9 / bandwidth
     assert calibration.phases["hooks"] > 0 and calibration.phases["precondition"] > 0
     out = log.read_text()
     best = min(predict_plan(tiny_plan(2, inv_update_steps=2), calibration), key=lambda t: t.overhead)

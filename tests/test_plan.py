@@ -39,6 +39,7 @@ TIED = {**MOMENTS, "tied_layers": "precondition", "eigenbasis_max_dim": 8}
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-6}}}
 CLIPPED = {**ADAMW, "gradient_clipping": 1.0}
 ZERO2 = {"zero_optimization": {"stage": 2}}
+ZERO3 = {"zero_optimization": {"stage": 3}}
 ALIGNED = {"zero_optimization": {"stage": 2, "parameter_alignment": True}}
 """ZeRO 2 padding each parameter to 16 bytes: in the mlp, the first weight (30 elements) moves the others."""
 
@@ -62,6 +63,8 @@ SCENARIOS = {
         scenario("tied", {**ZERO2, **ADAMW}, TIED, grad_worker_fraction=MEM_OPT, factor_reduction="reduce"),
         scenario("mlp", ZERO2, KFAC, grad_worker_fraction=HYBRID, factor_reduction="local"),
         scenario("mlp", ALIGNED, KFAC, grad_worker_fraction=MEM_OPT),
+        scenario("mlp", ZERO3, KFAC, grad_worker_fraction=MEM_OPT),
+        scenario("uniform", {**ZERO3, **CLIPPED}, MOMENTS, grad_worker_fraction=MEM_OPT, factor_reduction="reduce"),
     ],
     2: [
         [
@@ -71,6 +74,7 @@ SCENARIOS = {
         [
             scenario("uniform", CLIPPED, MOMENTS, grad_worker_fraction=MEM_OPT),
             scenario("mlp", ZERO2, {**KFAC, "eigenvalue_outer_product": True}),
+            scenario("mlp", ZERO3, KFAC, grad_worker_fraction=MEM_OPT, factor_reduction="local"),
         ],
     ],
     1: [
@@ -176,7 +180,7 @@ def test_planner_matches_every_rank_of_real_runs(runs: list) -> None:
 
 def test_the_runs_cover_every_category(runs: list) -> None:
     """The comparison above can fail: every memory category and collective kind the planner models was non-zero in
-    some run (and ZeRO 2 split some layer, whose assembly the planner must count)."""
+    some run (and ZeRO 2 split some layer, whose assembly the planner must count; ZeRO 3 sent its gradients' slices)."""
     memory, kinds = set(), set()
     for _, _, results in runs:
         for got in results:
@@ -191,7 +195,7 @@ def test_the_runs_cover_every_category(runs: list) -> None:
         "eigenvalue_corrections",
         "preconditioning_cache",
     }
-    assert kinds >= {"all_reduce", "reduce", "broadcast"}
+    assert kinds >= {"all_reduce", "reduce", "broadcast", "all_to_all"}  # ZeRO 3's gradients: all-to-alls
     assert any(any(r[0]["split"] or ()) for _, _, r in runs)
 
 
@@ -302,7 +306,8 @@ MUON_ZERO2 = {
         (["--fraction", "0.3"], BERT_TINY, "grad_worker_fraction=0.3 with 4 data-parallel ranks gives 1.2"),
         (["--fraction", "half"], BERT_TINY, "kfac.grad_worker_fraction"),
         (["--world", "3", "--fraction", "hybrid-opt"], BERT_TINY, "gives 1.5 gradient workers per layer"),
-        ([], {**BERT_TINY, "zero_optimization": {"stage": 3}}, "the planner models ZeRO stages 0, 1 and 2"),
+        (["--fraction", "comm-opt"], {**BERT_TINY, **ZERO3}, "(4 gradient workers per layer) at ZeRO stage 3, where"),
+        ([], {**BERT_TINY, "zero_optimization": {"stage": 4}}, "stage=4; DeepSpeed's stages are 0, 1, 2 and 3"),
         ([], {**BERT_TINY, "train_batch_size": 100}, "do not fit 4 ranks"),
         ([], {**BERT_TINY, "kfac": {"damping": -1}}, "kfac.damping"),
         ([], {**BERT_TINY, "bert": {}}, "--model is required"),
@@ -313,7 +318,8 @@ MUON_ZERO2 = {
         ([], {**BERT_TINY, "optimizer": {"type": "Muon", "params": {}}}, "optimizer type 'Muon' with K-FAC needs"),
     ],
     ids=[
-        *("preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "batch", "kfac_key", "no_model"),
+        *("preset", "no_kfac", "fraction", "fraction_name", "world", "zero3", "stage4", "batch", "kfac_key"),
+        "no_model",
         *("muon", "world_0", "world_negative", "not_json", "muon_without_moments"),
     ],
 )

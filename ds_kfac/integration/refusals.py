@@ -13,7 +13,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from ..config import KFACConfig, KFACConfigError
-from ..placement import workers_per_layer
+from ..placement.plan import zero3_problem
 from ..preconditioning.build import preconditioned_parameters
 
 
@@ -42,13 +42,9 @@ def refuse_unsupported(
     ]
     problems = []
     if stage == 3:
-        n = workers_per_layer(kfac_config.grad_worker_fraction, ds_comm.get_world_size())
-        if n > 1:
-            problems.append(
-                f"kfac.grad_worker_fraction={kfac_config.grad_worker_fraction!r} ({n} gradient workers per layer) "
-                f"at ZeRO stage 3, where each layer's gradient is gathered to one gradient worker: use "
-                f'"grad_worker_fraction": "mem-opt"'
-            )
+        workers = zero3_problem(kfac_config.grad_worker_fraction, ds_comm.get_world_size())
+        if workers:
+            problems.append(workers)
         if kfac_config.fisher == "sampled":
             problems.append(
                 'kfac.fisher="sampled" at ZeRO stage 3 (the sampled backward pass would run through ZeRO 3\'s '

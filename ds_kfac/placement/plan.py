@@ -97,6 +97,18 @@ def workers_per_layer(fraction: Union[str, float], world: int) -> int:
     return round(n)
 
 
+def zero3_problem(fraction: Union[str, float], world: int) -> Optional[str]:
+    """Why ZeRO stage 3 cannot run ``fraction`` on ``world`` ranks (``None``: it can): each layer's gradient is
+    gathered to one gradient worker there."""
+    n = workers_per_layer(fraction, world)
+    if n == 1:
+        return None
+    return (
+        f"kfac.grad_worker_fraction={fraction!r} ({n} gradient workers per layer) at ZeRO stage 3, where each "
+        f'layer\'s gradient is gathered to one gradient worker: use "grad_worker_fraction": "mem-opt"'
+    )
+
+
 def lpt(costs: Sequence[float], bins: int, initial: Sequence[float] = ()) -> tuple[list[int], list[float]]:
     """Greedy longest-processing-time: each item, largest first (ties: lower index), to the
     least-loaded bin (ties: lower bin). Returns the bin of each item and the bin loads."""

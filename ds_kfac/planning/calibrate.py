@@ -7,8 +7,8 @@ is their device and their network. Two measurements, every rank at once (each on
   job's model, every layer on this rank alone (a process group of one), for a warm-up refresh cycle and then a
   timed one: K-FAC's seconds per step by phase (:data:`ds_kfac.timing.PHASES`), and the forward and backward's;
 * :func:`measure_links`: K-FAC's own collectives (:mod:`ds_kfac.comm`, so a simulated network,
-  :mod:`ds_kfac.comm.network`, is measured too) across every launched rank, at payloads from 4 KiB to 16 MiB: a
-  least-squares latency and per-byte time per kind.
+  :mod:`ds_kfac.comm.network`, is measured too: all-reduce, broadcast and ZeRO 3's all-to-all) across every launched
+  rank, at payloads from 4 KiB to 16 MiB: a least-squares latency and per-byte time per kind.
 
 The slowest rank's figures are kept (a step waits for it). :mod:`.predict` turns them into seconds per placement.
 """
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_reduce_sum_, broadcast_, data_parallel_world
+from ..comm import all_reduce_sum_, all_to_all_, broadcast_, data_parallel_world
 from ..config import KFACConfig
 from ..optimizers import Adam, split_groups
 from ..preconditioner import KFACPreconditioner
@@ -118,10 +118,12 @@ def measure_links(
     kinds: dict[str, Callable[[torch.Tensor], None]] = {
         "all_reduce": lambda t: all_reduce_sum_([t], group),
         "broadcast": lambda t: broadcast_([t], [root], [group]),
+        "all_to_all": lambda t: _exchange(t, group, world),
     }
     links, samples = {}, {}
     for kind, run in kinds.items():
         medians = []
+        sent = [n * (world - 1) // world if kind == "all_to_all" and world > 1 else n for n in sizes]  # to others
         for nbytes in sizes:
             tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
             seconds = []
@@ -135,9 +137,17 @@ def measure_links(
                 seconds.append(time.perf_counter() - start)
             medians.append(statistics.median(seconds[1:]))
         medians = _slowest(medians, group)
-        samples[kind] = [[float(n), s] for n, s in zip(sizes, medians)]
-        links[kind] = _fit(sizes, medians)
+        samples[kind] = [[float(n), s] for n, s in zip(sent, medians)]
+        links[kind] = _fit(sent, medians)
     return links, samples
+
+
+def _exchange(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], world: int) -> None:
+    """One all-to-all of ``tensor``, an equal share of it to each rank (ZeRO 3's gradients' slices)."""
+    share = tensor.numel() // world
+    send = [[tensor[r * share : (r + 1) * share]] for r in range(world)]
+    recv = [[torch.empty_like(part) for part in pieces] for pieces in send]
+    all_to_all_(send, recv, group, tensor.dtype, tensor.device)
 
 
 def _fit(sizes: Sequence[int], seconds: Sequence[float]) -> Link:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..comm.network import Network
 from ..config import KFACConfigError
 from ..placement import workers_per_layer
+from ..placement.plan import zero3_problem
 from .calibrate import Timed, calibrate
 from .job import read_job
 from .models import BERT_DEFAULTS, PRESETS, bert_batches, bert_config, bert_on, bert_on_meta
@@ -104,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for asked in args.fraction or ():  # an asked fraction that does not fit is an error, not a refused row
             job.config_for(asked, job.kfac.factor_reduction)
             workers_per_layer(asked, args.world)
+            if job.zero_stage == 3 and zero3_problem(asked, args.world):
+                raise KFACConfigError(zero3_problem(asked, args.world))
         spec = args.model or job.bert.get("model")
         if spec is None:
             raise ValueError("--model is required: the config has no bert.model")

@@ -46,10 +46,13 @@ class Gradients:
     """Elements of the parameters of the layers ZeRO split across ranks (assembled by one all-reduce per step)."""
     raw_clipping: bool = False
     """Whether the engine clips the raw gradients before K-FAC (``eigenbasis_moments`` with ``gradient_clipping``)."""
+    spread: bool = False
+    """ZeRO 3: every parameter's gradient in contiguous slices over all ranks, each layer's gathered to its one
+    gradient worker and ``P(g)`` sent back (two all-to-alls a step, in float32)."""
 
     @property
     def sharded(self) -> bool:
-        return self.holders is not None
+        return self.holders is not None or self.spread
 
 
 @dataclass
@@ -175,5 +178,22 @@ def rank_cost(
             cost.every_step["all_reduce"] += FLOAT32
         if gradients.sharded:
             cost.every_step["all_reduce"] += gradients.split_elements * FLOAT32 + FLOAT32 * gradients.raw_clipping
+        if gradients.holders is not None:
             cost.start["all_reduce"] += world * sum(len(b.adapter.params()) for b in blocks) * FLAG
+        if gradients.spread:
+            cost.every_step["all_to_all"] += FLOAT32 * sum(_spread_sent(b, roles) for b in blocks)
     return cost
+
+
+def _spread_sent(block: CurvatureBlock, roles: RankRoles) -> int:
+    """Elements of ``block``'s gradient ``roles``' rank sends at ZeRO 3 (``integration.layouts.Zero3Gradients``):
+    its slices to the layer's gradient worker, or as the worker every other rank's slices of ``P(g)``."""
+    r, world = roles.rank, roles.world
+    (worker,) = roles.preconditioners(block)
+    sent = 0
+    for p in block.adapter.params():
+        n = p.numel()
+        c = -(-n // world)
+        mine = max(0, min((r + 1) * c, n) - min(r * c, n))
+        sent += mine if worker != r else n - mine
+    return sent

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from ..config import KFACConfigError
@@ -13,6 +14,7 @@ from ..layers import SkippedLayer
 from ..optimizers import split_groups
 from ..placement import RankRoles
 from ..placement.gradients import layer_holders
+from ..placement.plan import zero3_problem
 from ..preconditioning.build import model_blocks, preconditioned_parameters
 from .costs import BlockSizes, Gradients, RankCost, block_sizes, rank_cost
 from .job import Job
@@ -73,6 +75,8 @@ def plan_job(
         for reduction in reductions:
             try:
                 config = job.config_for(fraction, reduction)
+                if job.zero_stage == 3 and zero3_problem(fraction, job.world):
+                    raise KFACConfigError(zero3_problem(fraction, job.world))
                 first = RankRoles(blocks, config, job.world, 0, gradients.holders)
                 roles = [first] + [
                     RankRoles(blocks, config, job.world, r, gradients.holders, first.plan) for r in range(1, job.world)
@@ -92,6 +96,8 @@ def _gradients(
     optimizer's param groups (``initialize`` splits them with ``eigenbasis_moments``) at ``job.world`` ranks."""
     if job.zero_stage == 0:
         return Gradients(job.param_dtype), []
+    if job.zero_stage == 3:  # every parameter in slices over all ranks, gathered to its layer's one worker
+        return Gradients(torch.float32, spread=True, raw_clipping=job.raw_clipping > 0), []
     from ..integration.layouts import zero12_param_holders  # imports DeepSpeed
 
     groups = list(param_groups if param_groups is not None else model.parameters())

@@ -13,7 +13,7 @@ layer's arithmetic, and adds the time of every collective the rank takes part in
 * ``decompose`` and ``stack``: the sides it decomposes, weighted by their decomposition cost (``dim^3``), plus the
   broadcasts of decompositions it sends or receives (per refresh, over the refresh interval);
 * ``precondition``: the layers it preconditions, weighted ``g a (g + a)``, plus the broadcast of ``P(g)`` along its
-  row when not every rank is a gradient worker;
+  row when not every rank is a gradient worker, or at ZeRO 3 the two all-to-alls of the gradients' slices;
 * ``factor_comm``: the factor reduction (per factor-update step, over the interval), not credited with overlap.
 
 A step waits for its slowest rank at its collectives, so a placement's predicted overhead is the largest rank's sum.
@@ -88,7 +88,8 @@ class Calibration:
     cadence: dict[str, int]
     """The ``factor_update_steps`` and ``inv_update_steps`` the phases were measured at."""
     links: dict[str, Link] = field(default_factory=dict)
-    """``all_reduce`` and ``broadcast`` (a reduce is timed as a broadcast: one tree)."""
+    """``all_reduce``, ``broadcast`` (a reduce is timed as a broadcast: one tree) and ``all_to_all`` (its bytes: those
+    a rank sends to the others)."""
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
     """Each link's measured ``[bytes, seconds]`` pairs, kept for the record."""
 
@@ -111,7 +112,13 @@ class Calibration:
             return 0.0
         if self.network:
             return calls * Network.parse(self.network).seconds(kind, nbytes / calls, world)
-        return self.links["broadcast" if kind == "reduce" else kind].seconds(calls, nbytes)
+        link = self.links.get("broadcast" if kind == "reduce" else kind)
+        if link is None:
+            raise ValueError(
+                f"the calibration has no {kind} link (measured by an older ds_kfac): calibrate again, or predict on "
+                f"a stated network (--network)"
+            )
+        return link.seconds(calls, nbytes)
 
     def save(self, path: Union[str, Path]) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -173,10 +180,11 @@ def predict_rank(
     cost: RankCost,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     rows: float = 1.0,
+    spread: bool = False,
 ) -> dict[str, float]:
     """``roles``' rank's predicted seconds per step by phase (a mean over a refresh cycle at the job's cadence);
     ``rows``: the examples a factor-update step collects from, the job's over the calibration's (the factors'
-    products scale with them)."""
+    products scale with them); ``spread``: ZeRO 3's gradients (:class:`~.costs.Gradients`)."""
     config = roles.config
     factor_every = config.factor_update_steps
     refresh_every = config.inv_update_steps if isinstance(config.inv_update_steps, int) else factor_every
@@ -203,12 +211,14 @@ def predict_rank(
     width = max((len(holders) for _, holders in groups), default=1)
     out["decompose"] += calibration.seconds("broadcast", len(groups), moved, width) / refresh_every
     row = roles.plan.row_members(roles.plan.row(roles.rank))
-    if roles.shares_along_rows and roles.holders is None and len(row) > 1:  # P(g) along the row, sent or received
+    if roles.shares_along_rows and roles.holders is None and len(row) > 1 and not spread:  # P(g) along the row
         senders = {roles.plan.sender_to(b.name, roles.rank) for b in blocks}
         moved = sum(sizes[b.name].matrix for b in blocks)
         out["precondition"] += calibration.seconds("broadcast", len(senders), moved, len(row))
     summed = cost.every_step.get("all_reduce", 0)  # the KL clip's sum, ZeRO 1/2's split layers assembled
     out["precondition"] += calibration.seconds("all_reduce", 1 if summed else 0, summed, world)
+    if spread and world > 1:  # ZeRO 3: the gradients' slices to their workers and P(g)'s back, every rank
+        out["precondition"] += calibration.seconds("all_to_all", 2, cost.every_step.get("all_to_all", 0), world)
     return out
 
 
@@ -247,7 +257,9 @@ def predict_plan(plan: Plan, calibration: Calibration, bucket_bytes: int = DEFAU
         examples = collected(placement.roles[0].config, job.accumulation) * job.micro_batch
         examples /= calibration.collected * calibration.micro_batch
         ranks = [
-            predict_rank(calibration, plan.blocks, plan.sizes, roles, cost, bucket_bytes, examples)
+            predict_rank(
+                calibration, plan.blocks, plan.sizes, roles, cost, bucket_bytes, examples, plan.gradients.spread
+            )
             for roles, cost in zip(placement.roles, placement.ranks)
         ]
         out.append(PlacementTime(placement.fraction, placement.reduction, ranks))
