@@ -34,6 +34,7 @@ import pretrain  # noqa: E402
 import recipe  # noqa: E402
 import report  # noqa: E402
 import run_data  # noqa: E402
+import two_sided  # noqa: E402
 from time_to_target import ROOT, build_phase1  # noqa: E402
 
 import ds_kfac  # noqa: E402
@@ -91,6 +92,8 @@ def diagnose(args: argparse.Namespace) -> dict[str, Any]:
     reference = gn_oracle_bert.model_from(phase1, bert, found.vocab_size)  # the oracle's copy, at each step's start
     schedule = pretrain.poly_warmup(steps, bert["warmup_proportion"], bert["poly_power"])
     engine = pretrain.build_engine(model, config, schedule, args.seed)
+    if args.two_sided is not None:  # issue 66's prototype: KL-Shampoo's two-sided factors
+        print(json.dumps({"two_sided": two_sided.make_two_sided(engine.kfac.blocks, args.two_sided)}), flush=True)
     train, order, held_out = found.batches(micro, args.batch // micro)
     batches = found.loader(train, order, 0, steps)
     out = args.out / args.name
@@ -210,6 +213,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         "--adapt-damping",
         action="store_true",
         help="the rescaling's damping adapted by Levenberg-Marquardt from the sub-batch's reduction ratio",
+    )
+    go.add_argument(
+        "--two-sided",
+        type=float,
+        metavar="FLOOR",
+        help="K-FAC's factors estimated two-sided (two_sided.py), the other factor's eigenvalues floored at FLOOR "
+        "times their mean",
     )
     go.add_argument("--damping", type=float, default=1e-2)
     go.add_argument("--curvature-batch", type=int, default=64)

@@ -144,3 +144,49 @@ def test_forms_and_the_rescaled_step_solve_the_explicit_two_by_two_model(problem
     assert none == 0.0 and alone == pytest.approx(float(-(update @ gradient) / (update @ damped @ update)), rel=1e-9)
     assert gn_oracle.rescaled(curvature, gradient, damping, update, None, max_scale=0.5)[0] == 0.5
     assert gn_oracle.rescaled(curvature, gradient, damping, -update, previous, max_scale=2.0) == (1.0, 0.0)
+
+
+def test_two_sided_factors_are_the_documented_weighted_moments() -> None:
+    """``benchmarks/two_sided.py`` (issue 66's prototype): after a decomposition, a factor step adds to ``A`` the
+    rows' second moment weighted by ``g^T G^-1 g / d_g`` and to ``G`` weighted by ``a^T A^-1 a / d_a`` (``A`` with
+    its bias column, ``g`` the per-example gradients), each inverse floored at 0.01 of its mean eigenvalue: against
+    a float64 recomputation from the rows the layer saw."""
+    import two_sided
+
+    from ds_kfac import KFACPreconditioner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    kfac = KFACPreconditioner(model, lr=0.1, kl_clip=None, factor_update_steps=1, inv_update_steps=1)
+    x, y = torch.randn(16, 5), torch.randn(16, 3)
+    seen = {}
+
+    def record(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        seen["a"] = inputs[0].detach()
+        output.register_hook(lambda grad: seen.update(g=grad.detach()))
+
+    model[0].register_forward_hook(record)
+
+    def step() -> None:
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        kfac.step()
+
+    step()
+    assert two_sided.make_two_sided(kfac.blocks, 0.01) == ["0", "2"]
+    block = kfac.blocks[0]
+    qa, va, qg, vg = (t.double() for t in block.decomposition)
+    before = block.a.value.double(), block.g.value.double()
+    step()
+    a = torch.cat([seen["a"].double(), torch.ones(16, 1, dtype=torch.float64)], dim=1)
+    g = seen["g"].double() * 16  # the mean loss's per-example gradients
+
+    def inverse(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return q @ torch.diag(1 / (v.clamp_min(0) + 0.01 * v.clamp_min(0).mean())) @ q.t()
+
+    weight_a = torch.einsum("ni,ij,nj->n", g, inverse(qg, vg), g) / 4
+    weight_g = torch.einsum("ni,ij,nj->n", a, inverse(qa, va), a) / 6
+    for value, old, rows, weights in zip((block.a.value, block.g.value), before, (a, g), (weight_a, weight_g)):
+        expected = 0.95 * old + 0.05 * (rows * weights[:, None]).t() @ rows / 16
+        torch.testing.assert_close(value.double(), expected, rtol=1e-6, atol=1e-7)
+    assert 0.5 < float(weight_a.mean()) < 1.5 and 0.5 < float(weight_g.mean()) < 1.5  # about 1: the scale kept
