@@ -57,6 +57,7 @@ def arithmetic(model: nn.Module, section: dict[str, Any], tokens: int) -> dict[s
         "hooks": tokens * sum(a * a + g * g for a, g in dims),
         "factors": sum(a * a + g * g for a, g in dims),
         "decompose": sum(a**3 + g**3 for a, g in dims),
+        "rebase": sum(a**3 + g**3 + 2 * g * a * (g + a) for a, g in dims),
         "stack": sum(a * a + g * g for a, g in dims),
         "precondition": sum(g * a * (g + a) for a, g in dims),
         "forward_backward": tokens * macs,
@@ -69,7 +70,7 @@ def measured_phases(path: Path, run: str, ga: int) -> tuple[dict[str, float], fl
     data = json.loads(path.read_text())
     (config,) = [c for c in data["runs"][run]["configurations"] if c["ga"] == ga and c["world"] == 1]
     kfac = config["arms"]["kfac"]
-    phases = {p: kfac["phases_ms"].get(p, 0.0) / 1e3 for p in ("hooks", "factors", "decompose", "stack")}
+    phases = {p: kfac["phases_ms"].get(p, 0.0) / 1e3 for p in ("hooks", "factors", "decompose", "rebase", "stack")}
     phases["precondition"] = (kfac["phases_ms"].get("precondition", 0.0) + kfac.get("untimed_ms", 0.0)) / 1e3
     cadence = {k: config["kfac_config"][k] for k in ("factor_update_steps", "inv_update_steps")}
     return phases, kfac["phases_ms"]["forward_backward"] / 1e3, cadence, data["environment"]["gpu"]

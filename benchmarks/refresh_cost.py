@@ -130,7 +130,7 @@ def measure(arm: str, kind: str, steps: int, dims: tuple[int, int], rows: int) -
             counted = {how: kfac.metrics()[f"kfac/refresh/{how}"] for how in REFRESH_KINDS}
             continue
         step_s.append(elapsed)
-        refresh_s += kfac.timings.get("decompose", 0.0) + kfac.timings.get("stack", 0.0)
+        refresh_s += sum(kfac.timings.get(p, 0.0) for p in ("decompose", "rebase", "stack"))
         if step % warmup == 0:
             factors.append([f.value.clone() for b in kfac.blocks for f in (b.a, b.g)])
     start = time.perf_counter()

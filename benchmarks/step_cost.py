@@ -177,7 +177,7 @@ symmetric QR algorithm (about 9 d^3 with eigenvectors, 4/3 d^3 for the eigenvalu
 FLOOR_PHASES = {
     "factors": ("hooks", "factors"),
     "precondition": ("precondition",),
-    "decompose": ("decompose", "stack"),
+    "decompose": ("decompose", "rebase", "stack"),
 }
 """Floor phase -> the measured phases doing its arithmetic (factor outer products run in the hooks)."""
 POOL = 16  # distinct micro-batches per rank, reused in turn
@@ -1007,7 +1007,7 @@ def plot(path: Path, configurations: Sequence[dict[str, Any]]) -> Path:
 
     phases = phase_order({p for c in configurations for a in ARMS for p in c["arms"][a]["phases_ms"]})
     segments = [*phases, "untimed_ms"]
-    colors = dict(zip(segments, plt.get_cmap("tab10").colors))
+    colors = dict(zip(segments, plt.get_cmap("tab20").colors))  # up to 20 segments: every phase has a colour
     colors["untimed_ms"] = "lightgrey"
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(configurations)), 5))
     for i, c in enumerate(configurations):

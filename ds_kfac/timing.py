@@ -19,6 +19,8 @@ Phases, in the order a step runs them:
 * ``factor_comm``: waiting for the step's factor reduction to finish;
 * ``factors``: folding the step's factors into the running averages;
 * ``decompose``: decompositions, their sharing, and their finiteness check;
+* ``rebase``: installing a new basis: the base optimizer's moments (``eigenbasis_moments``) and the eigenvalue
+  correction re-expressed in it, on every rank that preconditions the layer (not only its decomposer);
 * ``stack``: copying new decompositions into the stacks preconditioning reads
   (after a refresh; only the groups of equal shapes with a new member);
 * ``precondition``: gathering gradients, ``P(g)``, the KL clip, and writing back
@@ -37,7 +39,7 @@ from typing import Iterator
 
 import torch
 
-PHASES = ("hooks", "sampled_backward", "factor_comm", "factors", "decompose", "stack", "precondition")
+PHASES = ("hooks", "sampled_backward", "factor_comm", "factors", "decompose", "rebase", "stack", "precondition")
 
 
 class PhaseTimer:

@@ -84,7 +84,14 @@ def test_the_fit_recovers_a_line() -> None:
 CALIBRATION = Calibration(
     device="cpu",
     world=2,
-    phases={"hooks": 0.010, "factors": 0.002, "decompose": 0.030, "stack": 0.001, "precondition": 0.020},
+    phases={
+        "hooks": 0.010,
+        "factors": 0.002,
+        "decompose": 0.030,
+        "rebase": 0.004,
+        "stack": 0.001,
+        "precondition": 0.020,
+    },
     forward_backward=0.5,
     accumulation=2,
     micro_batch=8,
@@ -111,7 +118,8 @@ def test_one_rank_is_predicted_its_own_measurement() -> None:
 
 def test_two_ranks_split_the_work_and_pay_for_their_collectives() -> None:
     """At 2 ranks, against the documented split: comm-opt preconditions every layer on both ranks and decomposes
-    each side once (the two ranks' shares sum to the whole); mem-opt preconditions each layer once. Every rank
+    each side once (the two ranks' shares sum to the whole), and both install (``rebase``) and stack every new basis;
+    mem-opt preconditions, installs and stacks each layer once. Every rank
     all-reduces the factors (``4F`` bytes plus ``4L`` presence flags per factor step: one bucket and the flags'
     call) and comm-opt broadcasts each decomposition once per refresh to the other rank; mem-opt broadcasts each
     ``P(g)`` (``4ag``) along the row every step."""
@@ -122,6 +130,10 @@ def test_two_ranks_split_the_work_and_pay_for_their_collectives() -> None:
         assert [r["factor_comm"] for r in placement.ranks] == pytest.approx([reduction] * 2)
         assert sum(r["hooks"] for r in placement.ranks) == pytest.approx(2 * CALIBRATION.phases["hooks"])
     assert [r["precondition"] for r in comm.ranks] == pytest.approx([CALIBRATION.phases["precondition"]] * 2)
+    for phase in ("rebase", "stack"):
+        assert [r[phase] for r in comm.ranks] == pytest.approx([CALIBRATION.phases[phase]] * 2, rel=1e-9)
+        assert sum(r[phase] for r in mem.ranks) == pytest.approx(CALIBRATION.phases[phase], rel=1e-9)
+        assert min(r[phase] for r in mem.ranks) > 0.1 * CALIBRATION.phases[phase]  # both ranks hold layers
     decompositions = 4 * sum(a * a + a + g * g + g for a, g in TINY_LAYERS)
     compute = sum(r["decompose"] for r in comm.ranks) - 1e-9 * 2 * decompositions / 10
     assert compute == pytest.approx(CALIBRATION.phases["decompose"] + 2 * 2 * 5e-5 / 10, rel=1e-9)

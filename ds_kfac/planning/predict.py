@@ -10,8 +10,11 @@ layer's arithmetic, and adds the time of every collective the rank takes part in
 * ``hooks`` (the factors' outer products): the layers the rank collects, weighted ``a^2 + g^2``; the sampled
   Fisher's extra backward (``sampled_backward``) as the hooks;
 * ``factors`` (the running averages): the statistics it stores, weighted ``dim^2``;
-* ``decompose`` and ``stack``: the sides it decomposes, weighted by their decomposition cost (``dim^3``), plus the
-  broadcasts of decompositions it sends or receives (per refresh, over the refresh interval);
+* ``decompose``: the sides it decomposes, weighted by their decomposition cost (``dim^3``), plus the broadcasts of
+  decompositions it sends or receives (per refresh, over the refresh interval);
+* ``rebase`` and ``stack``: the layers it preconditions, whose new bases it installs (the moments re-expressed:
+  ``dim^3`` a side for the change of basis and ``2 g a (g + a)`` for the moments) and stacks (``a^2 + g^2``), per
+  refresh, over the refresh interval;
 * ``precondition``: the layers it preconditions, weighted ``g a (g + a)``, plus the broadcast of ``P(g)`` along its
   row when not every rank is a gradient worker, or at ZeRO 3 the two all-to-alls of the gradients' slices;
 * ``factor_comm``: the factor reduction (per factor-update step, over the interval), not credited with overlap.
@@ -42,7 +45,7 @@ from ..preconditioning.build import model_blocks
 from .costs import BlockSizes, RankCost
 from .placements import PlacementCost, Plan
 
-COMPUTE_PHASES = ("hooks", "sampled_backward", "factors", "decompose", "stack", "precondition")
+COMPUTE_PHASES = ("hooks", "sampled_backward", "factors", "decompose", "rebase", "stack", "precondition")
 """K-FAC's phases (:data:`ds_kfac.timing.PHASES`) that the calibration measures on one rank and splits by layer."""
 REPORTED_PHASES = ("hooks", "factor_comm", "factors", "decompose", "precondition")
 """The phases the tables show (:func:`reported`)."""
@@ -50,9 +53,9 @@ REPORTED_PHASES = ("hooks", "factor_comm", "factors", "decompose", "precondition
 
 def reported(phases: dict[str, float]) -> dict[str, float]:
     """``phases`` (measured or predicted seconds or ms, by :data:`ds_kfac.timing.PHASES`) as the tables show them:
-    ``stack`` counted in ``decompose``, the sampled Fisher's backward in ``hooks``."""
+    ``rebase`` and ``stack`` counted in ``decompose``, the sampled Fisher's backward in ``hooks``."""
     out = {p: phases.get(p, 0.0) for p in REPORTED_PHASES}
-    out["decompose"] += phases.get("stack", 0.0)
+    out["decompose"] += phases.get("rebase", 0.0) + phases.get("stack", 0.0)
     out["hooks"] += phases.get("sampled_backward", 0.0)
     return out
 
@@ -151,9 +154,12 @@ def _share(blocks: Sequence[CurvatureBlock], roles: RankRoles) -> dict[str, floa
     total = dict.fromkeys(COMPUTE_PHASES, 0.0)
     for b in blocks:
         a, g = b.adapter.a_dim, b.adapter.g_dim
+        preconditions = roles.rank in roles.preconditioners(b)
         for phase, weight, does in (
             ("hooks", a * a + g * g, roles.collects(b)),
-            ("precondition", g * a * (g + a), roles.rank in roles.preconditioners(b)),
+            ("precondition", g * a * (g + a), preconditions),
+            ("rebase", sum(b.costs(3)) + 2 * g * a * (g + a), preconditions),
+            ("stack", a * a + g * g, preconditions),
         ):
             total[phase] += weight
             mine[phase] += weight * does
@@ -161,9 +167,8 @@ def _share(blocks: Sequence[CurvatureBlock], roles: RankRoles) -> dict[str, floa
             total["factors"] += dim * dim
             mine["factors"] += dim * dim * roles.stores_factor(b, side)
         for side, cost in zip(b.sides, b.costs(3)):
-            for phase in ("decompose", "stack"):
-                total[phase] += cost
-                mine[phase] += cost * roles.decomposes(b.name, side)
+            total["decompose"] += cost
+            mine["decompose"] += cost * roles.decomposes(b.name, side)
     mine["sampled_backward"], total["sampled_backward"] = mine["hooks"], total["hooks"]
     return {phase: mine[phase] / total[phase] if total[phase] else 0.0 for phase in COMPUTE_PHASES}
 
@@ -195,7 +200,7 @@ def predict_rank(
         seconds = calibration.phases.get(phase, 0.0) * share[phase]
         if phase in ("hooks", "sampled_backward", "factors"):  # at the calibration's factor cadence: the job's
             seconds *= calibration.cadence["factor_update_steps"] / factor_every * (rows if phase != "factors" else 1)
-        if phase in ("decompose", "stack"):
+        if phase in ("decompose", "rebase", "stack"):
             seconds *= measured_refresh / refresh_every
         out[phase] = seconds
     world = roles.world

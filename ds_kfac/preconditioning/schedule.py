@@ -151,15 +151,16 @@ class DecompositionSchedule:
         ]
         values = iter(torch.cat(flags).tolist())  # the one host sync of a decomposition step
         failed, uncurved = [], []
-        for block, state in candidates:
-            good, flat, same = next(values), next(values), [next(values) for _ in state]
-            if good:
-                old = block.decomposition
-                block.install(tuple(o if kept else t for t, o, kept in zip(state, old or state, same)))
-                if flat:
-                    uncurved.append(block.name)
-            else:
-                failed.append(block.name)
+        with self.timer.phase("rebase"):  # installing: the moments and the correction follow a new basis
+            for block, state in candidates:
+                good, flat, same = next(values), next(values), [next(values) for _ in state]
+                if good:
+                    old = block.decomposition
+                    block.install(tuple(o if kept else t for t, o, kept in zip(state, old or state, same)))
+                    if flat:
+                        uncurved.append(block.name)
+                else:
+                    failed.append(block.name)
         if failed:
             self.health.failed_decompositions(failed)
         if uncurved:
