@@ -37,31 +37,28 @@ sys.path.insert(0, str(ROOT))
 from ds_kfac.planning import plan_job, read_job  # noqa: E402
 from ds_kfac.planning.models import bert_config, bert_on_meta  # noqa: E402
 from ds_kfac.planning.predict import Calibration, predict_plan  # noqa: E402
+from ds_kfac.planning.predict import arithmetic as block_arithmetic  # noqa: E402
 from ds_kfac.planning.report import held  # noqa: E402
 from ds_kfac.preconditioning.build import model_blocks  # noqa: E402
 
 GPU_RUN = "benchmarks/results/gpu/h100-2026-11-27/call1/step_cost.json"
 CALIBRATED_ON = {"model": "bert-base", "micro_batch": 16, "seq": 128, "config": "configs/bert_cpu_phase1_kfac.json"}
 """step_cost.py's ``bert-base`` workload: BERT-base at micro-batch 16 x 128 tokens, its config's ``"kfac"`` skips."""
+MEASURED = ("hooks", "factors", "decompose", "rebase", "stack", "precondition")
+"""The phases the GPU run measured, each scaled by its arithmetic."""
 
 
 def arithmetic(model: nn.Module, section: dict[str, Any], tokens: int) -> dict[str, float]:
-    """Each phase's arithmetic for ``model``'s K-FAC layers (see the module docstring), and the forward and
-    backward's (every Linear layer's multiply-adds per token, times ``tokens``)."""
+    """Each measured phase's arithmetic for ``model``'s K-FAC layers (the predictor's per-layer weights, summed; the
+    factors' products times ``tokens``), and the forward and backward's (every Linear layer's multiply-adds per
+    token, times ``tokens``)."""
     from ds_kfac import KFACConfig
 
     blocks, _ = model_blocks(model, KFACConfig.parse(section))
-    dims = [(b.adapter.a_dim, b.adapter.g_dim) for b in blocks]
+    out = {p: sum(block_arithmetic(b)[p] for b in blocks) for p in MEASURED}
+    out["hooks"] *= tokens
     macs = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
-    return {
-        "hooks": tokens * sum(a * a + g * g for a, g in dims),
-        "factors": sum(a * a + g * g for a, g in dims),
-        "decompose": sum(a**3 + g**3 for a, g in dims),
-        "rebase": sum(a**3 + g**3 + 2 * g * a * (g + a) for a, g in dims),
-        "stack": sum(a * a + g * g for a, g in dims),
-        "precondition": sum(g * a * (g + a) for a, g in dims),
-        "forward_backward": tokens * macs,
-    }
+    return {**out, "forward_backward": tokens * macs}
 
 
 def measured_phases(path: Path, run: str, ga: int) -> tuple[dict[str, float], float, dict[str, int], str]:
@@ -70,7 +67,7 @@ def measured_phases(path: Path, run: str, ga: int) -> tuple[dict[str, float], fl
     data = json.loads(path.read_text())
     (config,) = [c for c in data["runs"][run]["configurations"] if c["ga"] == ga and c["world"] == 1]
     kfac = config["arms"]["kfac"]
-    phases = {p: kfac["phases_ms"].get(p, 0.0) / 1e3 for p in ("hooks", "factors", "decompose", "rebase", "stack")}
+    phases = {p: kfac["phases_ms"].get(p, 0.0) / 1e3 for p in MEASURED if p != "precondition"}
     phases["precondition"] = (kfac["phases_ms"].get("precondition", 0.0) + kfac.get("untimed_ms", 0.0)) / 1e3
     cadence = {k: config["kfac_config"][k] for k in ("factor_update_steps", "inv_update_steps")}
     return phases, kfac["phases_ms"]["forward_backward"] / 1e3, cadence, data["environment"]["gpu"]

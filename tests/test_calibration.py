@@ -143,6 +143,29 @@ def test_two_ranks_split_the_work_and_pay_for_their_collectives() -> None:
     assert comm.overhead == max(sum(r.values()) for r in comm.ranks)
 
 
+def test_one_sided_blocks_weigh_the_side_they_keep() -> None:
+    """With ``eigenbasis_max_dim`` 256 the intermediate layers keep only their input side (129) and the output
+    layers only their output side (128): each rank's share of the factors' running averages and of the
+    decompositions is by the sides it holds, weighted ``dim^2`` and ``dim^3`` of the kept sides (restated here from
+    the layer shapes), never by a dropped side's size."""
+    plan = tiny_plan(3, ("mem-opt",), eigenbasis_moments=True, eigenbasis_max_dim=256)  # 3: unequal shares
+    (placement,) = predict_plan(plan, CALIBRATION)
+
+    def kept(b: object) -> dict[str, int]:
+        return {s: d for s, d in (("A", b.adapter.a_dim), ("G", b.adapter.g_dim)) if d <= 256}
+
+    assert {tuple(kept(b)) for b in plan.blocks} == {("A", "G"), ("A",), ("G",)}
+    for phase, power in (("factors", 2), ("decompose", 3)):
+        total = sum(d**power for b in plan.blocks for d in kept(b).values())
+        shares = []
+        for roles, predicted in zip(plan.placements[0].roles, placement.ranks):
+            held = roles.stores_factor if phase == "factors" else (lambda b, s: roles.decomposes(b.name, s))
+            mine = sum(d**power for b in plan.blocks for s, d in kept(b).items() if held(b, s))
+            assert predicted[phase] == pytest.approx(CALIBRATION.phases[phase] * mine / total, rel=1e-9)
+            shares.append(mine / total)
+        assert sum(shares) == pytest.approx(1.0) and min(shares) > 0.1  # mem-opt: each side on one rank, all busy
+
+
 def test_zero3_pays_its_two_all_to_alls() -> None:
     """At ZeRO 3 (mem-opt only) every rank takes part in two all-to-alls a step (the gradients' slices to each
     layer's worker, ``P(g)``'s back), costed by the all-to-all link on the bytes the planner counts for the rank; a

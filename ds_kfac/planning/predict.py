@@ -148,28 +148,40 @@ def layer_shapes(model: nn.Module, config: KFACConfig) -> list[list[int]]:
     return sorted([b.adapter.a_dim, b.adapter.g_dim] for b in model_blocks(model, config)[0])
 
 
+def arithmetic(block: CurvatureBlock) -> dict[str, float]:
+    """``block``'s arithmetic in each compute phase, the weights the phases are split by (module docstring): the
+    factors' running averages and decompositions by the block's own per-side costs (a one-sided block stores and
+    decomposes one side, a unit-wise block ``g`` small ones)."""
+    a, g = block.adapter.a_dim, block.adapter.g_dim
+    products = a * a + g * g
+    return {
+        "hooks": products,
+        "sampled_backward": products,
+        "factors": sum(block.costs(2)),
+        "decompose": sum(block.costs(3)),
+        "rebase": sum(block.costs(3)) + 2 * g * a * (g + a),
+        "stack": products,
+        "precondition": g * a * (g + a),
+    }
+
+
 def _share(blocks: Sequence[CurvatureBlock], roles: RankRoles) -> dict[str, float]:
-    """The fraction of each compute phase's arithmetic that ``roles``' rank does."""
+    """The fraction of each compute phase's arithmetic (:func:`arithmetic`) that ``roles``' rank does."""
     mine = dict.fromkeys(COMPUTE_PHASES, 0.0)
     total = dict.fromkeys(COMPUTE_PHASES, 0.0)
     for b in blocks:
-        a, g = b.adapter.a_dim, b.adapter.g_dim
+        weights = arithmetic(b)
         preconditions = roles.rank in roles.preconditioners(b)
-        for phase, weight, does in (
-            ("hooks", a * a + g * g, roles.collects(b)),
-            ("precondition", g * a * (g + a), preconditions),
-            ("rebase", sum(b.costs(3)) + 2 * g * a * (g + a), preconditions),
-            ("stack", a * a + g * g, preconditions),
-        ):
-            total[phase] += weight
-            mine[phase] += weight * does
-        for side, dim in zip(b.sides, (a, g)):
-            total["factors"] += dim * dim
-            mine["factors"] += dim * dim * roles.stores_factor(b, side)
-        for side, cost in zip(b.sides, b.costs(3)):
+        collects = roles.collects(b)
+        for phase, does in (("hooks", collects), ("sampled_backward", collects), ("precondition", preconditions),
+                            ("rebase", preconditions), ("stack", preconditions)):  # fmt: skip
+            total[phase] += weights[phase]
+            mine[phase] += weights[phase] * does
+        for side, memory, cost in zip(b.sides, b.costs(2), b.costs(3)):
+            total["factors"] += memory
+            mine["factors"] += memory * roles.stores_factor(b, side)
             total["decompose"] += cost
             mine["decompose"] += cost * roles.decomposes(b.name, side)
-    mine["sampled_backward"], total["sampled_backward"] = mine["hooks"], total["hooks"]
     return {phase: mine[phase] / total[phase] if total[phase] else 0.0 for phase in COMPUTE_PHASES}
 
 
