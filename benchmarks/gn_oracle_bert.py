@@ -1,14 +1,15 @@
 """The Gauss-Newton oracle (``gn_oracle.py``) training the BERT demo's phase 2: each step the damped Gauss-Newton
 step of the step's batch, whole-model or layer by layer, solved by conjugate gradient, on one process::
 
-    python benchmarks/gn_oracle_bert.py run --batch 256 --damping 1e-2 --lr 1.0 [--layerwise] \\
+    python benchmarks/gn_oracle_bert.py run --batch 256 --damping 1e-2 --lr 1.0 [--layerwise] [--momentum 0.9] \\
         [--curvature-batch 64] [--cg-iterations 10] [--out runs/gn_oracle]
 
 It starts from the demo's phase-1 checkpoint (``examples/bert/phase1.py``, built once) and reads the embedded
 corpus's prepared shards in the demo's sample order, so step ``s`` trains on the global batch every arm of the
 batch study trains on at step ``s`` (the order is the same at any world size). Each step: the gradient of the whole
 batch, the Gauss-Newton products on its first ``--curvature-batch`` sequences (a sub-batch, as Martens and Grosse's
-K-FAC takes its curvature products), ``d = -(G + damping I)^-1 g`` to ``--tolerance`` or ``--cg-iterations``, and
+K-FAC takes its curvature products), ``d = -(G + damping I)^-1 g`` to ``--tolerance`` or ``--cg-iterations`` (with ``--momentum``, ``g`` the gradients'
+bias-corrected running average, as an optimizer's first moment), and
 ``p += lr * schedule(step) * d`` with the demo's warm-up and decay. Dropout is off throughout (the curvature must be
 a function of the parameters); no weight decay. ``metrics.csv`` is ``pretrain.py``'s, so ``time_to_target.py
 compare`` reads it beside the optimizers' runs; ``oracle.json`` adds each step's seconds, products and residuals
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     groups = layer_groups(model) if args.layerwise else None
     writer = report.MetricsWriter(out / "metrics.csv")
     records, seconds = [], 0.0
+    average: Optional[torch.Tensor] = None
     for step in range(steps):
         started = time.perf_counter()
         micro_batches = [next(batches) for _ in range(args.batch // micro)]
@@ -130,6 +132,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loss += out_.loss.item() / len(micro_batches)
         curvature = curvature_of(model, joined(micro_batches, args.curvature_batch))
         gradient = curvature.flat({name: p.grad for name, p in params.items()})
+        if args.momentum:  # the step solves for the gradients' running average, bias-corrected (Adam's first moment)
+            average = gradient * (1 - args.momentum) + (0 if average is None else average * args.momentum)
+            gradient = average / (1 - args.momentum ** (step + 1))
         d, solves = gn_oracle.gauss_newton_step(
             curvature, gradient, args.damping, args.cg_iterations, args.tolerance, groups
         )
@@ -173,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     go.add_argument("--batch", type=int, default=256, help="global batch (micro-batches of 32)")
     go.add_argument("--damping", type=float, default=1e-2)
     go.add_argument("--lr", type=float, default=1.0, help="the step's scale at the schedule's peak")
+    go.add_argument("--momentum", type=float, default=0.0,
+                    help="solve for the gradients' running average at this decay (0: the batch's own gradient)")  # fmt: skip
     go.add_argument("--layerwise", action="store_true", help="block-diagonal: each module's block alone")
     go.add_argument("--curvature-batch", type=int, default=64, help="sequences the products are taken on")
     go.add_argument("--cg-iterations", type=int, default=10)
@@ -190,7 +197,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     kind = "layerwise" if args.layerwise else "whole"
-    args.name = args.name or f"{kind}-b{args.batch}-d{args.damping:g}-lr{args.lr:g}-seed{args.seed}"
+    momentum = f"-m{args.momentum:g}" if args.momentum else ""
+    args.name = args.name or f"{kind}-b{args.batch}-d{args.damping:g}-lr{args.lr:g}{momentum}-seed{args.seed}"
     print(json.dumps({k: v for k, v in run(args).items() if k != "steps"}, indent=1))
 
 
