@@ -8,8 +8,8 @@ It starts from the demo's phase-1 checkpoint (``examples/bert/phase1.py``, built
 corpus's prepared shards in the demo's sample order, so step ``s`` trains on the global batch every arm of the
 batch study trains on at step ``s`` (the order is the same at any world size). Each step: the gradient of the whole
 batch, the Gauss-Newton products on its first ``--curvature-batch`` sequences (a sub-batch, as Martens and Grosse's
-K-FAC takes its curvature products), ``d = -(G + damping I)^-1 g`` to ``--tolerance`` or ``--cg-iterations`` (with ``--momentum``, ``g`` the gradients'
-bias-corrected running average, as an optimizer's first moment), and
+K-FAC takes its curvature products), ``d = -(G + damping I)^-1 g`` to ``--tolerance`` or ``--cg-iterations``
+(with ``--momentum``, ``g`` the gradients' bias-corrected running average, as an optimizer's first moment), and
 ``p += lr * schedule(step) * d`` with the demo's warm-up and decay. Dropout is off throughout (the curvature must be
 a function of the parameters); no weight decay. ``metrics.csv`` is ``pretrain.py``'s, so ``time_to_target.py
 compare`` reads it beside the optimizers' runs; ``oracle.json`` adds each step's seconds, products and residuals
@@ -178,8 +178,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     go.add_argument("--batch", type=int, default=256, help="global batch (micro-batches of 32)")
     go.add_argument("--damping", type=float, default=1e-2)
     go.add_argument("--lr", type=float, default=1.0, help="the step's scale at the schedule's peak")
-    go.add_argument("--momentum", type=float, default=0.0,
-                    help="solve for the gradients' running average at this decay (0: the batch's own gradient)")  # fmt: skip
+    go.add_argument("--momentum", type=float, default=0.0, help="solve for the gradients' running average at this "
+                    "decay (0: the batch's own gradient)")  # fmt: skip
     go.add_argument("--layerwise", action="store_true", help="block-diagonal: each module's block alone")
     go.add_argument("--curvature-batch", type=int, default=64, help="sequences the products are taken on")
     go.add_argument("--cg-iterations", type=int, default=10)

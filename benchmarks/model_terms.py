@@ -76,9 +76,8 @@ def stepwise(time_: PlacementTime, roles: Sequence[RankRoles], blocks: Sequence[
     """The mean over the cycle of the slowest rank's step, each rank's decompositions at their steps."""
     decomposer = roles[0].decomposer
     slots = spread_slots(blocks, period, decomposer) if spread else {}
-    cost = {(b.name, s): c for b in blocks for s, c in zip(b.sides, b.costs(3))}
     loads = [[0.0] * period for _ in roles]
-    for (name, side), c in cost.items():
+    for (name, side), c in side_weights(blocks, lambda x: x).items():
         loads[decomposer(name, side)][slots.get((name, side), 0)] += c
     steps = []
     for s in range(period):
