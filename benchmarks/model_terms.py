@@ -57,9 +57,22 @@ def eigh_seconds(dim: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def side_weights(blocks: Sequence[CurvatureBlock], weight: Callable[[float], float]) -> dict[tuple[str, str], float]:
-    """Each side's decomposition weight: ``weight`` of its ``dim^3`` cost."""
-    return {(b.name, s): weight(c) for b in blocks for s, c in zip(b.sides, b.costs(3))}
+def side_weights(
+    blocks: Sequence[CurvatureBlock], weight: Callable[[int, float], float]
+) -> dict[tuple[str, str], float]:
+    """Each side's decomposition weight: ``weight(dim, count)`` of its ``count`` matrices of size ``dim`` (one for a
+    Kronecker or one-sided block's side, the units of a unit-wise block), read from its ``dim^2`` and ``dim^3`` costs."""
+    out = {}
+    for b in blocks:
+        for side, square, cube in zip(b.sides, b.costs(2), b.costs(3)):
+            dim = round(cube / square)
+            out[(b.name, side)] = weight(dim, square / dim**2)
+    return out
+
+
+def cubes(dim: int, count: float) -> float:
+    """The ``dim^3`` weight of ``count`` matrices of size ``dim``, as the predictor weighs decompositions."""
+    return count * dim**3
 
 
 def decompose_compute(
@@ -77,7 +90,7 @@ def stepwise(time_: PlacementTime, roles: Sequence[RankRoles], blocks: Sequence[
     decomposer = roles[0].decomposer
     slots = spread_slots(blocks, period, decomposer) if spread else {}
     loads = [[0.0] * period for _ in roles]
-    for (name, side), c in side_weights(blocks, lambda x: x).items():
+    for (name, side), c in side_weights(blocks, cubes).items():
         loads[decomposer(name, side)][slots.get((name, side), 0)] += c
     steps = []
     for s in range(period):
@@ -93,6 +106,12 @@ def stepwise(time_: PlacementTime, roles: Sequence[RankRoles], blocks: Sequence[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     timed: dict[int, float] = {}
+
+    def timed_eigh(dim: int, count: float) -> float:
+        if dim not in timed:
+            timed[dim] = eigh_seconds(dim, args.repeats)
+        return count * timed[dim]
+
     rows = []
     for path in sorted((ROOT / RESULTS).glob("*.json")):
         result = json.loads(path.read_text())
@@ -106,12 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plan = plan_job(model, job, [c["placement"]], [job.kfac.factor_reduction])
             (now,) = predict_plan(plan, calibration)
             roles, period = plan.placements[0].roles, job.kfac.inv_update_steps
-            cubic = decompose_compute(calibration, roles, side_weights(plan.blocks, lambda x: x), period)
-            for dim in {round(x ** (1 / 3)) for b in plan.blocks for x in b.costs(3)} - set(timed):
-                timed[dim] = eigh_seconds(dim, args.repeats)
-            by_eigh = decompose_compute(
-                calibration, roles, side_weights(plan.blocks, lambda x: timed[round(x ** (1 / 3))]), period
-            )
+            cubic = decompose_compute(calibration, roles, side_weights(plan.blocks, cubes), period)
+            by_eigh = decompose_compute(calibration, roles, side_weights(plan.blocks, timed_eigh), period)
             eigh_total = max(sum(p.values()) - a + b for p, a, b in zip(now.ranks, cubic, by_eigh))
             measured = step_cost.kfac_ms(c)
             row = {
