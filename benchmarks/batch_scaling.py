@@ -26,6 +26,7 @@ the grid, its Adam half's rate ``--set-arm muon:optimizer.params.adam_lr=...``) 
 Adam rate, ``adam_lr``, on the grid; Muon's rate for the three matrices K-FAC leaves stays the config's), budgets in
 steps per batch (the target comes in fewer steps at larger batches) and a target per size. The first arm is the
 reference the ratios divide by; K-FAC is also divided by the best other arm at each batch (``peer_ratios``).
+``--arms kfac kfac+fresh --set-arm kfac+fresh:KEY=JSON`` runs a variant of an arm beside it (``batch_ladders.py``).
 
 ``merge`` joins the runs of several ``run``s of one task and target (a ladder whose learning-rate grid
 differs with the batch, a grid's edge run for some arms only with ``--arms``, or more seeds) into one result, best
